@@ -439,6 +439,7 @@ class ResourceSet(Resource):
     """Several kinds at once, made by ``&``; reads the attributes of every part
     (``(Cores(2) & Memory(4)).M == 4``). The empty set is ``ZERO``."""
 
+    kind = None  # not a kind itself: its parts are
     __slots__ = ("parts",)
 
     def __init__(self, *resources):
@@ -1266,11 +1267,30 @@ class WorkerStatistics(tuple):
     status = property(operator.itemgetter(4))
 
 
+def _local_provider(rpw):
+    """The provider of the in-process worker. ``Cores(N)`` becomes N real core ids from this
+    process's affinity set; asking for more than it has gives virtual ids (oversubscription,
+    useful for testing), with a note in the log."""
+    cores = _part(rpw, "Cores")
+    if cores is None or cores.c is not None:
+        return rpw
+    allowed = _allowed_cores()
+    if cores.N <= len(allowed):
+        ids = allowed[:cores.N]
+    else:
+        ids = list(range(cores.N))
+        log.info("local worker: %d cores requested but this process may use %d; core ids "
+                 "%s are virtual", cores.N, len(allowed), _fmt_ids(ids))
+    parts = dict(rpw._parts())
+    parts["Cores"] = Cores._ids(ids)
+    return ResourceSet._of(parts)
+
+
 class LocalWorker(Worker):
     """Runs jobs as trio tasks in this process, with GVAR set for each."""
 
     def __init__(self, executor, res, name, nursery):
-        super().__init__(executor, res, name)
+        super().__init__(executor, _local_provider(res), name)
         self._nursery = nursery
 
     def start(self, job):
@@ -1674,8 +1694,7 @@ class GrainExecutor:
         self._t0 = time.perf_counter()
         self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery)
         if self.rpw is not None and self.rpw._parts():
-            self.add_worker(LocalWorker(self, _local_provider(self.rpw), self.local_name,
-                                        self._nursery))
+            self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery))
         self._nursery.start_soon(self._watch_stuck)
         return self
 
@@ -1715,25 +1734,6 @@ class GrainExecutor:
         _default_logging()
         trio.run(run_all)
         return False
-
-
-def _local_provider(rpw):
-    """The provider of the in-process worker. ``Cores(N)`` becomes N real core ids from this
-    process's affinity set; asking for more than it has gives virtual ids (oversubscription,
-    useful for testing), with a note in the log."""
-    cores = _part(rpw, "Cores")
-    if cores is None or cores.c is not None:
-        return rpw
-    allowed = _allowed_cores()
-    if cores.N <= len(allowed):
-        ids = allowed[:cores.N]
-    else:
-        ids = list(range(cores.N))
-        log.info("local worker: %d cores requested but this process may use %d; core ids "
-                 "%s are virtual", cores.N, len(allowed), _fmt_ids(ids))
-    parts = dict(rpw._parts())
-    parts["Cores"] = Cores._ids(ids)
-    return ResourceSet._of(parts)
 
 
 class _GrainFormatter(logging.Formatter):
@@ -1905,6 +1905,21 @@ def _delayeds_in(obj, out):
     return out
 
 
+def _capture(obj):
+    """``obj`` with every Delayed in it replaced by a snapshot, so that a later
+    ``d[k] = v`` (which turns ``d`` into a new value) does not change what was built from
+    ``d`` before: copy-on-setitem."""
+    if isinstance(obj, Delayed):
+        return obj._snapshot()
+    t = type(obj)
+    if t is tuple or t is list:
+        return t([_capture(x) for x in obj]) if any(
+            isinstance(x, (Delayed, list, tuple, dict)) for x in obj) else obj
+    if t is dict:
+        return {k: _capture(v) for k, v in obj.items()}
+    return obj
+
+
 def _substitute(obj):
     """``obj`` with every (already evaluated) Delayed replaced by its value."""
     if isinstance(obj, Delayed):
@@ -1947,10 +1962,19 @@ class Delayed:
         d = object.__new__(cls)
         object.__setattr__(d, "_job", None)
         object.__setattr__(d, "_op", op)
-        object.__setattr__(d, "_args", args)
-        object.__setattr__(d, "_kwargs", kwargs)
+        object.__setattr__(d, "_args", _capture(args))
+        object.__setattr__(d, "_kwargs", _capture(kwargs) if kwargs else None)
         object.__setattr__(d, "_nout", nout)
         object.__setattr__(d, "_value", _NO_VALUE)
+        return d
+
+    def _snapshot(self):
+        """A new placeholder for this one's current value (shares its job and cache)."""
+        if self._value is not _NO_VALUE and self._job is None and self._op is None:
+            return self  # a plain value cannot be changed by setitem: no need to copy
+        d = object.__new__(Delayed)
+        for name in Delayed.__slots__:
+            object.__setattr__(d, name, getattr(self, name))
         return d
 
     # -- evaluation ---------------------------------------------------------
@@ -1995,12 +2019,10 @@ class Delayed:
     def __setitem__(self, key, value):
         # Copy-on-setitem: this placeholder now stands for a copy of the old value with the
         # item set; whoever holds the old value (e.g. another delayed) is not affected.
-        old = Delayed._apply(self._op, self._args, self._kwargs, self._nout)
-        object.__setattr__(old, "_job", self._job)
-        object.__setattr__(old, "_value", self._value)
+        old = self._snapshot()
         object.__setattr__(self, "_job", None)
         object.__setattr__(self, "_op", _copy_setitem)
-        object.__setattr__(self, "_args", (old, key, value))
+        object.__setattr__(self, "_args", (old, _capture(key), _capture(value)))
         object.__setattr__(self, "_kwargs", None)
         object.__setattr__(self, "_value", _NO_VALUE)
 
@@ -2082,7 +2104,8 @@ async def _evaluate(root):
 
 
 async def _resolve_arguments(args, kwargs):
-    await _evaluate(Delayed._apply(_gather, tuple(_delayeds_in((args, kwargs), []))))
+    for d in _delayeds_in((args, kwargs), []):
+        await _evaluate(d)
     return _substitute(args), _substitute(kwargs)
 
 
@@ -2110,7 +2133,8 @@ class DelayedFunction:
             _current_executor(f"calling the delayed function {_callable_name(self.fn)}")
         exer = rt.executor
         if (args or kwargs) and _delayeds_in((args, kwargs), []):
-            job = exer._submit_after(self.res, self.fn, args, kwargs, _resolve_arguments)
+            job = exer._submit_after(self.res, self.fn, _capture(args), _capture(kwargs),
+                                     _resolve_arguments)
         else:
             job = exer._submit(self.res, self.fn, args, kwargs)
         return Delayed._of_job(job, self.nout)
@@ -2246,6 +2270,8 @@ def _register_submodules():
 
         mod.__getattr__ = forward
         sys.modules[full] = mod
+        if not hasattr(me, short):  # grain.resource.Cores works; grain.delayed stays the decorator
+            setattr(me, short, mod)
 
 
 _register_submodules()
