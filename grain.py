@@ -73,10 +73,15 @@ import bisect
 import contextlib
 import contextvars
 import copy
+import fnmatch
 import functools
+import hashlib
+import hmac
 import importlib.machinery
+import importlib.util
 import inspect
 import itertools
+import json
 import logging
 import math
 import operator
@@ -85,6 +90,7 @@ import pickle
 import re
 import signal
 import socket
+import stat
 import statistics as _statistics
 import struct
 import subprocess
@@ -130,6 +136,14 @@ SUBPROC_MARGIN_S = 0.02   # seconds the child's own T alarm fires before the par
 KILL_GRACE_S = 2.0        # seconds between SIGTERM and SIGKILL when stopping a child
 MAX_FRAME = 1 << 30       # bytes; the largest frame a peer may send (1 GiB)
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
+HANDSHAKE_TIMEOUT_S = 5.0  # seconds a new connection has to prove it holds the key
+HEARTBEAT_S = 10.0        # seconds between heartbeats, both ways
+SILENT_S = 30.0           # seconds of silence after which a peer is taken for lost
+EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge record
+EDGE_STALE_S = 45.0       # seconds after which an unrefreshed Edge record is stale
+EDGE_CONNECT_S = 3.0      # seconds to try one URL from an Edge record
+CLI_TIMEOUT_S = 5.0       # seconds `ls`/`quit` wait for a head to answer
+LEAVE_BEFORE_S = 180.0    # seconds before its walltime ends that a job script's worker leaves
 
 ###############################################################################
 # Errors ######################################################################
@@ -146,8 +160,28 @@ class BrokenSubprocessError(GrainError):
     Counted as an infrastructure failure: the job is retried up to ``max_retries`` times."""
 
 
-class FrameError(GrainError):
-    """A peer sent a frame we cannot accept (oversized, truncated). Blames the peer."""
+class UsageError(GrainError):
+    """The user asked for something malformed (a CLI argument, a config value)."""
+
+
+class PeerError(GrainError):
+    """Something a peer sent or did is wrong: the peer is to blame, not this process."""
+
+
+class FrameError(PeerError):
+    """A peer sent a frame we cannot accept (oversized, truncated)."""
+
+
+class AuthenticationError(PeerError):
+    """A peer failed the handshake: it does not hold the key, or does not speak grain."""
+
+
+class WorkerLostError(GrainError):
+    """The worker running a job was lost (its connection closed or went silent)."""
+
+
+class WorkerRetiredError(GrainError):
+    """The worker running a job left on purpose (walltime, quit, SIGTERM)."""
 
 
 ###############################################################################
@@ -958,6 +992,439 @@ class FrameStream:
 
 
 ###############################################################################
+# Wire protocol ###############################################################
+###############################################################################
+# Sans-I/O pieces of the network protocol. Every connection starts with a mutual
+# HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
+# nothing is unpickled until both sides have proved they hold the key. Then both
+# sides speak frames; a frame holds one pickled control message, a tuple
+# ``(op, *args)``. Job functions and values travel inside those as dill bytes.
+
+AUTH_MAGIC = b"GRAIN\x01\r\n"  # 8 bytes: protocol name and version
+AUTH_NONCE = 32                 # bytes of randomness each side contributes
+AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
+
+
+class Handshake:
+    """The mutual challenge-response, as a state machine with no I/O.
+
+    Each side sends ``hello()`` (magic + a fresh nonce), feeds the peer's hello to
+    ``proof(peer_hello)`` and sends the result, then checks the peer's with
+    ``verify(peer_proof)``. A proof binds the sender's role (dialer or listener) and both
+    nonces, so a proof cannot be replayed or reflected back."""
+
+    HELLO_SIZE = len(AUTH_MAGIC) + AUTH_NONCE
+
+    def __init__(self, key, dialer):
+        self.key = key
+        self.role = b"dialer" if dialer else b"listener"
+        self.peer_role = b"listener" if dialer else b"dialer"
+        self.nonce = os.urandom(AUTH_NONCE)
+        self.peer_nonce = None
+
+    def hello(self):
+        return AUTH_MAGIC + self.nonce
+
+    def _mac(self, role, first, second):
+        return hmac.new(self.key, role + first + second, hashlib.sha256).digest()
+
+    def proof(self, peer_hello):
+        if len(peer_hello) != self.HELLO_SIZE or not peer_hello.startswith(AUTH_MAGIC):
+            raise AuthenticationError("the peer does not speak the grain protocol")
+        self.peer_nonce = peer_hello[len(AUTH_MAGIC):]
+        return self._mac(self.role, self.peer_nonce, self.nonce)
+
+    def verify(self, peer_proof):
+        expected = self._mac(self.peer_role, self.nonce, self.peer_nonce)
+        if not hmac.compare_digest(expected, peer_proof):
+            raise AuthenticationError("the peer does not hold the grain key")
+
+
+def default_key_path():
+    return os.path.join(os.path.expanduser("~"), ".local", "share", "grain", "key")
+
+
+def load_auth_key(path=None):
+    """The shared secret: 32 random bytes in a file only its owner can read.
+
+    Created (mode 0600) on first use; a key file that group or others can read is refused,
+    as ssh refuses such private keys."""
+    path = os.path.abspath(os.path.expanduser(path or default_key_path()))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it just now
+            return load_auth_key(path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+        return load_auth_key(path)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if mode & 0o077:
+            raise GrainError(f"key file {path} is readable by others (mode "
+                             f"{stat.S_IMODE(mode):04o}); fix it with `chmod 600 {path}`")
+        key = f.read()
+    if len(key) < 16:
+        raise GrainError(f"key file {path} holds {len(key)} bytes; it needs at least 16 "
+                         "(delete it and grain makes a new one)")
+    return key
+
+
+def dumps_control(msg):
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def dumps_job_value(obj, what):
+    """Bytes of a job's function, arguments or result: standard pickle first (fast), dill
+    for what it cannot do (lambdas, closures, functions of __main__)."""
+    try:
+        return b"p" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    try:
+        return b"d" + dill.dumps(obj, recurse=True)
+    except Exception as e:
+        raise TypeError(f"{what} cannot be pickled: {e}") from None
+
+
+def _culprit(args, kwargs):
+    """The first argument that cannot be pickled, for the error message."""
+    for i, a in enumerate(args):
+        try:
+            dill.dumps(a, recurse=True)
+        except Exception:
+            return f"argument {i} ({a!r})"
+    for k, v in kwargs.items():
+        try:
+            dill.dumps(v, recurse=True)
+        except Exception:
+            return f"argument {k}={v!r}"
+    return "an argument"
+
+
+###############################################################################
+# Channels and transports #####################################################
+###############################################################################
+# URLs name where to meet: ``tcp://host:port`` (``tcp://:port`` to listen on every
+# interface), ``unix:///path`` and ``edge:///abs/path/file``. The Edge protocol lets
+# a head and its workers find each other through a file on the shared filesystem,
+# whichever starts first (see EdgeFile). A Channel is an authenticated stream
+# spoken in frames, with writes coalesced: messages queued while a write is in
+# flight go out together in the next one.
+
+
+class Channel:
+    """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
+
+    def __init__(self, stream, max_frame=MAX_FRAME, peer="?"):
+        self.stream = stream
+        self.peer = peer
+        self._frames = FrameStream(stream, max_frame=max_frame)
+        self._out = []
+        self._wakeup = trio.Event()
+        self._closed = False
+        self.flushed = trio.Event()  # set when the writer has stopped
+        self.last_heard = trio.current_time()
+
+    def send(self, msg):
+        """Queue a control message; the writer task sends it with whatever else is queued."""
+        if not self._closed:
+            payload = dumps_control(msg)
+            self._out.append(FRAME_HEADER.pack(len(payload)))
+            self._out.append(payload)
+            self._wakeup.set()
+
+    async def run_writer(self):
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                if not self._out:
+                    if self._closed:
+                        return
+                    continue
+                data, self._out = b"".join(self._out), []
+                await self.stream.send_all(data)
+                if self._closed:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._closed = True
+        finally:
+            self.flushed.set()
+
+    async def receive(self):
+        """The next message, or None when the peer closed the connection."""
+        try:
+            frame = await self._frames.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return None
+        if frame is None:
+            return None
+        self.last_heard = trio.current_time()
+        return pickle.loads(frame)
+
+    def close_after_flush(self):
+        self._closed = True
+        self._wakeup.set()
+
+    async def aclose(self):
+        self._closed = True
+        self._wakeup.set()
+        with contextlib.suppress(Exception):
+            await self.stream.aclose()
+
+
+async def _receive_exactly(stream, n):
+    buf = bytearray()
+    while len(buf) < n:
+        data = await stream.receive_some(n - len(buf))
+        if not data:
+            raise AuthenticationError("the peer closed the connection during the handshake")
+        buf += data
+    return bytes(buf)
+
+
+async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
+    """Run the handshake on a fresh stream; raises AuthenticationError if it fails."""
+    hs = Handshake(key, dialer)
+    with trio.move_on_after(timeout) as scope:
+        await stream.send_all(hs.hello())
+        peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
+        await stream.send_all(hs.proof(peer_hello))
+        hs.verify(await _receive_exactly(stream, AUTH_PROOF))
+    if scope.cancelled_caught:
+        raise AuthenticationError(f"no handshake within {timeout:g} s")
+
+
+def parse_url(url):
+    """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
+    m = re.match(r"^([a-z]+)://(.*)$", url or "")
+    if not m:
+        raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
+                         "unix:///path or edge:///abs/path")
+    scheme, rest = m.groups()
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
+        return scheme, host.strip("[]"), int(port)
+    if scheme in ("unix", "edge"):
+        if not rest.startswith("/"):
+            raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
+                             f"({scheme}:///abs/path)")
+        return scheme, "", rest
+    raise ValueError(f"unsupported address scheme {scheme!r} in {url!r} "
+                     "(use tcp://, unix:// or edge://)")
+
+
+def _ipv4_addresses():
+    """``{interface: ipv4}`` for the interfaces of this host that have one."""
+    out = {}
+    try:
+        import fcntl
+
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                         struct.pack("256s", name[:15].encode()))
+                    out[name] = socket.inet_ntoa(packed[20:24])
+                except OSError:
+                    pass
+        finally:
+            s.close()
+    except Exception:  # pragma: no cover - not Linux
+        pass
+    if not out:
+        out["lo"] = "127.0.0.1"
+    return out
+
+
+async def open_stream(url):
+    """Connect to a tcp:// or unix:// URL."""
+    scheme, host, where = parse_url(url)
+    if scheme == "tcp":
+        return await trio.open_tcp_stream(host or "127.0.0.1", where)
+    if scheme == "unix":
+        return await trio.open_unix_socket(where)
+    raise ValueError(f"cannot connect to {url!r} directly")
+
+
+async def open_listeners(url):
+    """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them."""
+    scheme, host, where = parse_url(url)
+    if scheme == "tcp":
+        listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
+        port = listeners[0].socket.getsockname()[1]
+        if host and host != "0.0.0.0":
+            return listeners, {"tcp": f"tcp://{host}:{port}"}
+        return listeners, {iface: f"tcp://{ip}:{port}" for iface, ip in _ipv4_addresses().items()}
+    if scheme == "unix":
+        return [await _unix_listener(where)], {"unix": url}
+    raise ValueError(f"cannot listen on {url!r} directly")
+
+
+async def _unix_listener(path):
+    """A Unix socket listener at ``path``; a stale socket file (no one listening) is removed."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # left by a process that died: nobody answers
+        else:
+            raise GrainError(f"another process already listens on unix://{path}")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)  # the socket file is ours alone
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return trio.SocketListener(sock)
+
+
+class EdgeFile:
+    """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``,
+    mode 0600, changed only under an exclusive flock on ``<file>.lock``.
+
+    The listener (a head) records ``host``, ``lid``, ``pid``, ``heartbeat`` (Unix time,
+    refreshed every EDGE_HEARTBEAT_S) and ``urls`` ({interface: url}); a dialer (a worker
+    or CLI) that finds no live listener records where it listens and waits to be called."""
+
+    def __init__(self, path):
+        self.path = os.path.abspath(path)
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            raise UsageError(f"Edge file {self.path}: directory {d} does not exist")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UsageError(f"Edge file {self.path}: directory {d} is not writable")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the lock; yields the current content (a dict) and writes back changes."""
+        import fcntl
+
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            data = self._read()
+            before = json.dumps(data, sort_keys=True)
+            yield data
+            if json.dumps(data, sort_keys=True) != before:
+                atomic_write(self.path, json.dumps(data, indent=1).encode())
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _read(self):
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {"listener": None, "dialer": []}
+        try:
+            data = json.loads(raw) if raw.strip() else None
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            data.setdefault("listener", None)
+            if not isinstance(data.get("dialer"), list):
+                data["dialer"] = []
+            return data
+        except ValueError as e:
+            log.warning("Edge file %s is corrupt (%s); starting it afresh", self.path, e)
+            return {"listener": None, "dialer": []}
+
+    @staticmethod
+    def live(record):
+        """Is a listener record fresh? (A head that died leaves a stale heartbeat.)"""
+        if not isinstance(record, dict) or not isinstance(record.get("urls"), dict):
+            return False
+        beat = record.get("heartbeat")
+        if not isinstance(beat, (int, float)) or time.time() - beat > EDGE_STALE_S:
+            return False
+        if record.get("host") == _hostname() and isinstance(record.get("pid"), int):
+            try:
+                os.kill(record["pid"], 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+        return True
+
+
+def atomic_write(path, data, mode=0o600):
+    """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _order_urls(record):
+    """A record's URLs, a Unix socket first when the record is from this host."""
+    urls = list(record.get("urls", {}).values())
+    same_host = record.get("host") == _hostname()
+    return sorted(urls, key=lambda u: (not (same_host and u.startswith("unix:")),
+                                       not u.startswith("tcp://127.")))
+
+
+async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
+    """The first authenticated stream among ``urls`` (we dial), or None."""
+    for url in urls:
+        if url.startswith("unix:") and not os.path.exists(parse_url(url)[2]):
+            continue
+        with trio.move_on_after(timeout):
+            try:
+                stream = await open_stream(url)
+            except (OSError, ValueError):
+                continue
+            try:
+                await authenticate(stream, key, dialer=True)
+                return stream
+            except (AuthenticationError, OSError, trio.BrokenResourceError):
+                await stream.aclose()
+    return None
+
+
+def _peer_name(stream):
+    try:
+        addr = stream.socket.getpeername()
+    except (AttributeError, OSError):
+        return "?"
+    if isinstance(addr, tuple):
+        return f"{addr[0]}:{addr[1]}"
+    return f"unix:{addr or '(unnamed)'}"
+
+
+async def _send_heartbeats(channel):
+    while True:
+        await trio.sleep(HEARTBEAT_S)
+        channel.send(("ping",))
+
+
+def _edge_socket_path(edge_path, tag):
+    """A Unix socket path beside the Edge file; falls back to /tmp when too long."""
+    path = f"{edge_path}.{tag}.sock"
+    if len(path.encode()) > 100:
+        import tempfile
+
+        path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
+    return path
+
+
+###############################################################################
 # Subprocess pool #############################################################
 ###############################################################################
 # @subprocify runs a sync, CPU-bound function in a separate Python process so it
@@ -1312,6 +1779,54 @@ class LocalWorker(Worker):
             self.executor._job_ended(job, value, None, trio.current_time() - started)
 
 
+def loads_job_value(data):
+    return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
+
+
+class RemoteWorker(Worker):
+    """A worker process on the other end of a Channel. Functions are sent once per worker
+    (by digest); after that a job costs one small frame each way."""
+
+    def __init__(self, executor, res, name, channel, pid=None, host=None):
+        super().__init__(executor, res, name)
+        self.channel = channel
+        self.pid = pid
+        self.host = host
+        self.jobs = {}              # job id -> Job running there
+        self.known_functions = set()
+        self.leaving = None         # why it announced it leaves, if it did
+
+    def start(self, job):
+        digest, fn_bytes = self.executor._function_bytes(job.fn)
+        if digest not in self.known_functions:
+            self.known_functions.add(digest)
+            self.channel.send(("fn", digest, fn_bytes))
+        self.jobs[job.id] = job
+        self.channel.send(("run", job.id, digest, job.payload, job.alloc, job.T))
+
+    def on_done(self, jid, ok, data, duration):
+        job = self.jobs.pop(jid, None)
+        if job is None:
+            return
+        try:
+            value = loads_job_value(data)
+        except Exception as e:
+            ok, value = False, (GrainError(f"the result of job {job.name} could not be "
+                                           f"unpickled here: {e}"), "")
+        if ok:
+            self.executor._job_ended(job, value, None, duration)
+        else:
+            exc, tb = value
+            if tb:
+                add_note(exc, f"Traceback on worker {self.name}:\n{tb.rstrip()}")
+            self.executor._job_ended(job, None, exc, duration)
+
+    def interrupt_all(self, kind, why):
+        jobs, self.jobs = list(self.jobs.values()), {}
+        for job in jobs:
+            self.executor._job_interrupted(job, kind, why)
+
+
 ###############################################################################
 # Executor ####################################################################
 ###############################################################################
@@ -1326,7 +1841,7 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "_executor", "duration")
+                 "_executor", "duration", "payload")
 
     def __init__(self, executor, jid, req, fn, args, kwargs):
         self._executor = executor
@@ -1348,6 +1863,7 @@ class Job:
         self.observed = False
         self._event = None
         self.duration = None
+        self.payload = None
 
     @property
     def name(self):
@@ -1434,6 +1950,9 @@ class _GroupTimes:
 # Failure classes a job can be retried for, kept apart in counters and messages.
 RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
 RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
+RETRY_LOST = "worker lost"               # its connection closed or went silent
+RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
+RETIRED_RETRIES = 20                     # retirements are not the job's fault: a wide bound
 
 
 class GrainExecutor:
@@ -1464,7 +1983,9 @@ class GrainExecutor:
         print(exer.results)            # in submission order
     """
 
-    def __init__(self, rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES, name="local"):
+    def __init__(self, rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES, name="local",
+                 listen=None, key=None, waddrs=(), max_frame=MAX_FRAME,
+                 listen_optional=False):
         if rpw is not None and not isinstance(rpw, Resource):
             raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
         if isinstance(temporary_err, type):
@@ -1487,7 +2008,18 @@ class GrainExecutor:
         self._zero_worker = None
         self._sync_jobs = None
         self.counts = {"done": 0, "failed": 0, "retried": 0}
+        self.retried_by_class = {}
         self.elapsed = None
+        self.listen = listen
+        self.key = key
+        self.waddrs = list(waddrs)
+        self.max_frame = max_frame
+        self.listen_optional = listen_optional  # a mission runs on if another head has the address
+        self.urls = {}           # where this head listens: {interface: url}
+        self._remote = bool(listen or waddrs)  # jobs may leave this process: pickle them
+        self._fn_cache = {}
+        self._budgets = {RETRY_TEMPORARY: self.max_retries, RETRY_INFRA: self.max_retries,
+                         RETRY_LOST: self.max_retries, RETRY_RETIRED: RETIRED_RETRIES}
 
     # -- submission -------------------------------------------------------
     def submit(self, res, fn, *args, **kwargs):
@@ -1508,6 +2040,8 @@ class GrainExecutor:
 
     def _submit(self, res, fn, args, kwargs):
         job = Job(self, next(self._ids), res, fn, args, kwargs)
+        if self._remote and res is not ZERO:
+            self._prepare_payload(job)
         self._jobs.append(job)
         self._outstanding += 1
         self._enqueue(job)
@@ -1523,6 +2057,8 @@ class GrainExecutor:
         async def resolve_then_enqueue():
             try:
                 job.args, job.kwargs = await resolve(args, kwargs)
+                if self._remote and res is not ZERO:
+                    self._prepare_payload(job)
             except Exception as e:
                 job.attempts = 0
                 self._complete(job, None, e)
@@ -1531,6 +2067,30 @@ class GrainExecutor:
 
         self._nursery.start_soon(resolve_then_enqueue)
         return job
+
+    def _function_bytes(self, fn):
+        """``(digest, bytes)`` of a job function, serialized once per executor."""
+        try:
+            hit = self._fn_cache.get(fn)
+        except TypeError:  # unhashable callable
+            hit = None
+        if hit is None:
+            data = dumps_job_value(fn, f"the job function {_callable_name(fn)}")
+            hit = (hashlib.sha1(data).digest(), data)
+            with contextlib.suppress(TypeError):
+                self._fn_cache[fn] = hit
+        return hit
+
+    def _prepare_payload(self, job):
+        """Serialize a job for remote workers now, so what cannot be pickled fails at
+        submit time and names the culprit."""
+        self._function_bytes(job.fn)
+        try:
+            job.payload = dumps_job_value((job.args, job.kwargs), "")
+        except TypeError as e:
+            raise TypeError(f"job {_callable_name(job.fn)}: "
+                            f"{_culprit(job.args, job.kwargs)} cannot be pickled{str(e)[19:]}"
+                            ) from None
 
     def _enqueue(self, job):
         if job.req is ZERO or not job.req._parts():
@@ -1600,6 +2160,20 @@ class GrainExecutor:
         if self._queue:
             self._pump()
 
+    def _job_interrupted(self, job, kind, why):
+        """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
+        w = job.worker
+        w.running -= 1
+        with contextlib.suppress(Exception):
+            w.res.dealloc(job.alloc)
+        job.alloc = None
+        cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
+        error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
+        if not self._retry(job, kind, error):
+            self._complete(job, None, error, kind)
+        if self._queue:
+            self._pump()
+
     def _retry_class(self, error):
         if isinstance(error, BrokenSubprocessError):
             return RETRY_INFRA
@@ -1612,10 +2186,11 @@ class GrainExecutor:
         if failures is None:
             failures = job.failures = {}
         n = failures.get(kind, 0)
-        if n >= self.max_retries:
+        if n >= self._budgets[kind]:
             return False
         failures[kind] = n + 1
         self.counts["retried"] += 1
+        self.retried_by_class[kind] = self.retried_by_class.get(kind, 0) + 1
         log.warning("job %s failed with %s (%s, attempt %d); retrying",
                     job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
         job.state = "queued"
@@ -1630,7 +2205,7 @@ class GrainExecutor:
         else:
             if kind is not None and job.attempts > 1:
                 add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
-                                f"({kind}, {self.max_retries} retries allowed)")
+                                f"({kind}, {self._budgets[kind]} retries allowed)")
             job.error = error
             job.state = "failed"
             self.counts["failed"] += 1
@@ -1667,6 +2242,203 @@ class GrainExecutor:
             log.warning("job %s requesting %r has fitted no worker for %.0f s; %s; "
                         "%d job(s) queued", job.name, job.req, waited, where, len(self._queue))
 
+    # -- the head: workers and CLI clients connect here -------------------------
+    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Listen on ``self.listen``; started() once peers can connect (and, for an Edge
+        address, once the record is written)."""
+        scheme, _, where = parse_url(self.listen)
+        async with trio.open_nursery() as nursery:
+            if scheme == "edge":
+                await nursery.start(self._serve_edge, where)
+            else:
+                listeners, self.urls = await open_listeners(self.listen)
+                nursery.start_soon(trio.serve_listeners, self._on_accept, listeners)
+            task_status.started(self.urls)
+
+    async def _serve_edge(self, path, *, task_status=trio.TASK_STATUS_IGNORED):
+        edge = EdgeFile(path)
+        lid = os.urandom(8).hex()
+        sock_path = _edge_socket_path(path, f"head-{lid}")
+        tcp, urls = await open_listeners("tcp://:0")
+        unix = await _unix_listener(sock_path)
+        urls["unix"] = f"unix://{sock_path}"
+        self.urls = urls
+        record = {"host": _hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.serve_listeners, self._on_accept, tcp + [unix])
+                with edge.locked() as data:
+                    current = data["listener"]
+                    if EdgeFile.live(current):
+                        raise GrainError(
+                            f"a head is already listening at edge://{path} (pid "
+                            f"{current.get('pid')} on {current.get('host')}); stop it first")
+                    if current:
+                        log.warning("Edge file %s: replacing the stale record of pid %s on %s",
+                                    path, current.get("pid"), current.get("host"))
+                    pending, data["dialer"] = data["dialer"], []
+                    data["listener"] = dict(record, heartbeat=time.time())
+                for dialer in pending:
+                    nursery.start_soon(self._call_dialer, dialer)
+                task_status.started(urls)
+                while True:
+                    await trio.sleep(EDGE_HEARTBEAT_S)
+                    with edge.locked() as data:
+                        if (data["listener"] or {}).get("lid") != lid:
+                            log.warning("Edge file %s: our record was replaced; re-adding it",
+                                        path)
+                        pending, data["dialer"] = data["dialer"], []
+                        data["listener"] = dict(record, heartbeat=time.time())
+                    for dialer in pending:
+                        nursery.start_soon(self._call_dialer, dialer)
+        finally:
+            with contextlib.suppress(OSError):
+                with edge.locked() as data:
+                    if (data["listener"] or {}).get("lid") == lid:
+                        data["listener"] = None
+            with contextlib.suppress(OSError):
+                os.unlink(sock_path)
+
+    async def _call_dialer(self, record):
+        stream = await _try_connect(_order_urls(record), self.key)
+        if stream is None:
+            log.warning("could not reach the waiting worker at %s; it will retry",
+                        ", ".join(_order_urls(record)) or "(no address)")
+            return
+        await self._on_connection(stream, _order_urls(record)[0])
+
+    async def _dial_passive(self, url):
+        try:
+            stream = await open_stream(url)
+            await authenticate(stream, self.key, dialer=True)
+        except (OSError, PeerError) as e:
+            log.warning("passive worker at %s: %s", url, e)
+            return
+        await self._on_connection(stream, url, assign=self.rpw)
+
+    async def _on_accept(self, stream):
+        peer = _peer_name(stream)
+        try:
+            await authenticate(stream, self.key, dialer=False)
+        except (PeerError, OSError, trio.BrokenResourceError) as e:
+            log.warning("refused a connection from %s: %s", peer, e)
+            await stream.aclose()
+            return
+        await self._on_connection(stream, peer)
+
+    async def _on_connection(self, stream, peer, assign=None):
+        """An authenticated peer: a worker registering, or a CLI client with a command."""
+        channel = Channel(stream, self.max_frame, peer)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.run_writer)
+                if assign is not None:
+                    channel.send(("assign", assign))
+                with trio.move_on_after(SILENT_S):
+                    first = await channel.receive()
+                if isinstance(first, tuple) and first[:1] == ("register",):
+                    await self._serve_worker(channel, first[1])
+                elif isinstance(first, tuple) and first[:1] == ("cli",):
+                    await self._serve_cli(channel, *first[1:])
+                elif first is not None:
+                    log.warning("peer %s sent an unknown greeting %.60r", peer, first)
+                nursery.cancel_scope.cancel()
+        except (PeerError, OSError, trio.BrokenResourceError, pickle.UnpicklingError,
+                EOFError) as e:
+            log.warning("connection from %s dropped: %s", peer, e)
+        finally:
+            await channel.aclose()
+
+    async def _serve_worker(self, channel, info):
+        w = RemoteWorker(self, info["res"], info["name"], channel, info.get("pid"),
+                         info.get("host"))
+        self.add_worker(w)
+        log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
+                 w.total)
+        why, kind = "was lost (its connection closed)", RETRY_LOST
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_send_heartbeats, channel)
+                while True:
+                    with trio.move_on_after(SILENT_S) as silence:
+                        msg = await channel.receive()
+                    if silence.cancelled_caught:
+                        why = f"was lost (silent for {SILENT_S:g} s)"
+                        break
+                    if msg is None:
+                        break
+                    op = msg[0]
+                    if op == "done":
+                        w.on_done(*msg[1:])
+                    elif op == "leaving":
+                        w.leaving, w.accepting = msg[1], False
+                        log.info("worker %s is leaving: %s", w.name, msg[1])
+                nursery.cancel_scope.cancel()
+        finally:
+            self.remove_worker(w)
+            if w.leaving:
+                why, kind = f"retired ({w.leaving})", RETRY_RETIRED
+            if w.jobs:
+                log.warning("worker %s %s with %d job(s) running; re-queueing them",
+                            w.name, why, len(w.jobs))
+            w.interrupt_all(kind, why)
+
+    async def _serve_cli(self, channel, cmd, *args):
+        handler = {"stats": self._cli_stats, "quit": self._cli_quit}.get(cmd)
+        reply = handler(*args) if handler else {"error": f"unknown command {cmd!r}"}
+        channel.send(("reply", reply))
+        channel.close_after_flush()
+        await channel.flushed.wait()
+
+    def _cli_stats(self):
+        st = self.statistics()
+        workers = []
+        for w in self.workers:
+            free, total = w.res.stat(), w.total.stat()
+            workers.append({
+                "name": w.name, "cores": (free.get("Cores", (0, 0))[0],
+                                          total.get("Cores", (0, 0))[1]),
+                "memory": (free.get("Memory", (0, 0))[0], total.get("Memory", (0, 0))[1]),
+                "walltime": free["WTime"][0] if "WTime" in free else None,
+                "running": w.running,
+                "status": ("leaving" if getattr(w, "leaving", None) else
+                           "up" if w.accepting else "draining"),
+                "where": "local" if isinstance(w, LocalWorker) else f"pid {w.pid} on {w.host}",
+            })
+        return {"workers": workers, "queued": st.queued, "running": st.running,
+                "done": st.done, "failed": st.failed, "retried": st.retried,
+                "retried_by_class": dict(self.retried_by_class),
+                "next": repr(st.next_request) if st.next_request is not None else None}
+
+    def _cli_quit(self, pattern, force):
+        done = []
+        for w in list(self.workers):
+            if not fnmatch.fnmatchcase(w.name, pattern):
+                continue
+            if not isinstance(w, RemoteWorker):
+                done.append(f"{w.name}: the in-process worker cannot quit (skipped)")
+                continue
+            w.accepting = False
+            if force:
+                w.channel.send(("leave",))
+                done.append(f"{w.name}: leaving now; its {w.running} running job(s) will be "
+                            "re-queued")
+            else:
+                w.channel.send(("drain",))
+                done.append(f"{w.name}: takes no new jobs; leaves after its {w.running} "
+                            "running job(s)")
+        return {"done": done or [f"no worker matches {pattern!r}"]}
+
+    async def _say_goodbye(self):
+        """FIN to every remote worker, and wait (a little) for it to go out."""
+        remote = [w for w in self.workers if isinstance(w, RemoteWorker)]
+        for w in remote:
+            w.channel.send(("fin",))
+            w.channel.close_after_flush()
+        with trio.move_on_after(5):
+            for w in remote:
+                await w.channel.flushed.wait()
+
     # -- statistics -----------------------------------------------------------
     def statistics(self):
         running = sum(w.running for w in self.workers)
@@ -1696,6 +2468,23 @@ class GrainExecutor:
         if self.rpw is not None and self.rpw._parts():
             self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery))
         self._nursery.start_soon(self._watch_stuck)
+        if self._remote and self.key is None:
+            self.key = load_auth_key()
+        if self.listen:
+            try:
+                await self._nursery.start(self._serve)
+            except GrainError as e:
+                if not self.listen_optional:
+                    await self._stack.__aexit__(None, None, None)
+                    _RUNTIME.reset(self._rt_token)
+                    raise
+                log.warning("%s; this mission runs without accepting workers", e)
+            except BaseException:
+                await self._stack.__aexit__(None, None, None)
+                _RUNTIME.reset(self._rt_token)
+                raise
+        for url in self.waddrs:
+            self._nursery.start_soon(self._dial_passive, url)
         return self
 
     async def __aexit__(self, etype, exc, tb):
@@ -1703,6 +2492,8 @@ class GrainExecutor:
             if etype is None:
                 await self.wait_all()
         finally:
+            with trio.CancelScope(shield=True):
+                await self._say_goodbye()
             await self._stack.__aexit__(None, None, None)
             _RUNTIME.reset(self._rt_token)
             self._nursery = None
@@ -1854,16 +2645,28 @@ async def _run_mission(mains, local, single, executor_kw):
         return results
 
 
-def run_combine(main, waddrs=(), rpw=ZERO, *, temporary_err=(), max_retries=MAX_RETRIES):
+def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, temporary_err=(),
+                max_retries=MAX_RETRIES):
     """Run a mission: ``main`` (or a list of mains, run in parallel) with a local worker
-    holding ``rpw``. Returns main's return value (a list for a list of mains)."""
+    holding ``rpw``, and each passive worker at ``waddrs`` (``tcp://host:port``) given
+    ``rpw`` too. The head listens at ``address`` for workers and CLI clients (default: the
+    Edge file; False: do not listen). Returns main's return value (a list for a list of
+    mains)."""
     mains = _as_mains(main)
-    if waddrs:
-        raise GrainError("run_combine(waddrs=...): passive remote workers are not supported "
-                         "by this version yet")
     _default_logging()
+    for url in waddrs:
+        parse_url(url)
     return trio.run(_run_mission, mains, rpw, not isinstance(main, (list, tuple)),
-                    {"temporary_err": temporary_err, "max_retries": max_retries})
+                    _mission_options(address, temporary_err, max_retries, waddrs))
+
+
+def _mission_options(address, temporary_err, max_retries, waddrs=()):
+    if address is None:
+        address = default_address()
+    if address:
+        parse_url(address)
+    return {"temporary_err": temporary_err, "max_retries": max_retries,
+            "listen": address or None, "waddrs": waddrs, "listen_optional": True}
 
 
 ###############################################################################
@@ -2184,13 +2987,15 @@ def each(*items):
     return Delayed._apply(_gather, tuple(items))
 
 
-def run(main, local=None, config_file=None, *, rpw=None, temporary_err=(),
+def run(main, local=None, config_file=None, *, rpw=None, address=None, temporary_err=(),
         max_retries=MAX_RETRIES):
     """Run a delayed mission: ``main`` (an async function, or a list run in parallel).
 
     ``local`` (alias ``rpw``) is the resource of the in-process worker, e.g.
     ``Cores([0, 1])``; without it, jobs with resources wait for workers to join.
-    ``config_file``: a path, None (look for one) or False (defaults only)."""
+    ``config_file``: a path, None (look for one) or False (defaults only). The head listens
+    at ``address`` for workers and CLI clients (default: the Edge file; False: do not
+    listen)."""
     if rpw is not None:
         if local is not None:
             raise TypeError("run(): give local= or its alias rpw=, not both")
@@ -2200,7 +3005,364 @@ def run(main, local=None, config_file=None, *, rpw=None, temporary_err=(),
     if config_file is False:
         log.info("Config file is disabled, using default settings.")
     return trio.run(_run_mission, mains, local, not isinstance(main, (list, tuple)),
-                    {"temporary_err": temporary_err, "max_retries": max_retries})
+                    _mission_options(address, temporary_err, max_retries))
+
+
+###############################################################################
+# The worker process ##########################################################
+###############################################################################
+# ``python grain.py worker --url URL``: one per node. It connects to a head (or, with
+# ``--listen``, waits for a head to dial it), registers its name and resources, runs
+# the jobs it is sent with GVAR set, and sends results back. It leaves cleanly when
+# the head says FIN, when its walltime is up, on SIGTERM/SIGINT (telling the head, so
+# its jobs are re-queued at once), or when it loses the head.
+
+
+def _memory_gb():
+    """This process's memory limit in GB: the cgroup limit if any, else MemTotal."""
+    limit = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw.isdigit() and int(raw) < 1 << 60:
+                limit = int(raw)
+                break
+        except OSError:
+            pass
+    if limit is None:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemTotal:"):
+                        limit = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            limit = 0
+    return round((limit or 0) / 2 ** 30, 2)
+
+
+def worker_provider(req=None):
+    """The resources a worker offers, from its ``--res`` request (None: the whole cpuset and
+    memory). Core ids come from this process's affinity set: the cores the batch system gave
+    the job, not 0..N-1."""
+    allowed = _allowed_cores()
+    if req is None or req is ZERO:
+        return Cores._ids(allowed) & Memory(_memory_gb())
+    parts = dict(req._parts())
+    cores = parts.get("Cores")
+    if cores is not None:
+        if cores.c is None:
+            if cores.N > len(allowed):
+                raise UsageError(f"--res asks for {cores.N} cores but this process may use "
+                                 f"only {len(allowed)} ({_fmt_ids(allowed)})")
+            parts["Cores"] = Cores._ids(allowed[:cores.N])
+        elif not set(cores.c) <= set(allowed):
+            raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
+                             f"only {_fmt_ids(allowed)}")
+    return ResourceSet._of(parts)
+
+
+def _load_context(path):
+    """The ``grain_context`` async context manager of a context module file."""
+    spec = importlib.util.spec_from_file_location("grain_context_module", path)
+    if spec is None:
+        raise GrainError(f"--context {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ctx = getattr(mod, "grain_context", None)
+    if ctx is None:
+        raise GrainError(f"--context {path}: defines no grain_context()")
+    return ctx
+
+
+async def _accept_first(listeners, key):
+    """The first incoming stream that passes the handshake (we are the listener side).
+
+    Not trio.serve_listeners: it closes each stream when its handler returns, and this
+    stream must outlive the accept loop."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def accept_from(listener):
+        while True:
+            stream = await listener.accept()
+            try:
+                await authenticate(stream, key, dialer=False)
+            except (PeerError, OSError, trio.BrokenResourceError) as e:
+                log.warning("refused a connection from %s: %s", _peer_name(stream), e)
+                await stream.aclose()
+                continue
+            try:
+                send.send_nowait(stream)
+            except trio.WouldBlock:
+                await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(accept_from, listener)
+        stream = await receive.receive()
+        nursery.cancel_scope.cancel()
+    return stream
+
+
+async def edge_connect(path, key):
+    """Reach the head through an Edge file: connect to a live listener, or record where we
+    listen and wait for the head to call us."""
+    edge = EdgeFile(path)
+    while True:
+        with edge.locked() as data:
+            record = data["listener"]
+        if EdgeFile.live(record):
+            stream = await _try_connect(_order_urls(record), key)
+            if stream is not None:
+                return stream
+            log.warning("the head recorded in %s does not answer; waiting for one", path)
+        elif record:
+            log.warning("Edge file %s holds a stale head record (pid %s on %s); waiting for "
+                        "a live head", path, record.get("pid"), record.get("host"))
+        did = os.urandom(8).hex()
+        sock_path = _edge_socket_path(path, f"worker-{did}")
+        tcp, urls = await open_listeners("tcp://:0")
+        unix = await _unix_listener(sock_path)
+        urls["unix"] = f"unix://{sock_path}"
+        try:
+            with edge.locked() as data:
+                if EdgeFile.live(data["listener"]) and data["listener"] != record:
+                    continue  # a head appeared meanwhile: connect to it instead
+                data["dialer"].append({"host": _hostname(), "did": did, "pid": os.getpid(),
+                                       "urls": urls})
+            log.info("waiting for a head to call (recorded in %s)", path)
+            return await _accept_first(tcp + [unix], key)
+        finally:
+            for listener in tcp + [unix]:
+                await listener.aclose()
+            with contextlib.suppress(OSError):
+                os.unlink(sock_path)
+            with contextlib.suppress(OSError):
+                with edge.locked() as data:
+                    data["dialer"] = [d for d in data["dialer"]
+                                      if not (isinstance(d, dict) and d.get("did") == did)]
+
+
+class WorkerProcess:
+    """The worker's side of a connection to a head."""
+
+    def __init__(self, channel, res, name, context):
+        self.channel = channel
+        self.res = res
+        self.name = name
+        self.context = context
+        self.functions = {}      # digest -> function (or the exception loading it raised)
+        self.running = {}        # job id -> CancelScope
+        self.accepting = True
+        self.leave_after_jobs = None  # the reason to give when the last job ends
+        self._nursery = None
+        self.done = trio.Event()
+
+    async def serve(self):
+        handlers = {"fn": self.on_function, "run": self.on_run, "ping": lambda: None,
+                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave}
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(_send_heartbeats, self.channel)
+            nursery.start_soon(self._watch_walltime)
+            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._receive_loop, handlers)
+            await self.done.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _receive_loop(self, handlers):
+        while True:
+            with trio.move_on_after(SILENT_S) as silence:
+                msg = await self.channel.receive()
+            if silence.cancelled_caught or msg is None:
+                log.warning("lost the head (%s); leaving",
+                            "silent" if silence.cancelled_caught else "connection closed")
+                self.done.set()
+                return
+            handlers[msg[0]](*msg[1:])
+
+    def on_function(self, digest, data):
+        try:
+            self.functions[digest] = loads_job_value(data)
+        except Exception as e:
+            self.functions[digest] = e
+
+    def on_run(self, jid, digest, payload, alloc, T):
+        self._nursery.start_soon(self._run_job, jid, self.functions.get(digest), payload,
+                                 alloc, T)
+
+    async def _run_job(self, jid, fn, payload, alloc, T):
+        _RES.set(alloc)
+        _INSTANCE.set(self.name)
+        _CONTEXT.set(self.context)
+        started = trio.current_time()
+        with trio.CancelScope() as scope:
+            self.running[jid] = scope
+            try:
+                if isinstance(fn, BaseException) or fn is None:
+                    raise GrainError(f"the job function could not be loaded on worker "
+                                     f"{self.name}: {fn!r}")
+                args, kwargs = loads_job_value(payload)
+                if T is None:
+                    value = await fn(*args, **kwargs)
+                else:
+                    with trio.fail_after(T):
+                        value = await fn(*args, **kwargs)
+                try:
+                    reply = (True, dumps_job_value(value, "the result"))
+                except TypeError as e:
+                    raise GrainError(f"{e} (type {type(value).__name__})") from None
+            except Exception as e:
+                tb = traceback.format_exc()
+                try:
+                    data = dumps_job_value((e, tb), "the exception")
+                except TypeError:
+                    data = dumps_job_value((GrainError(f"{type(e).__name__}: {e}"), tb), "")
+                reply = (False, data)
+            self.channel.send(("done", jid, reply[0], reply[1], trio.current_time() - started))
+        self.running.pop(jid, None)
+        if self.leave_after_jobs and not self.running:
+            self.leave(self.leave_after_jobs)
+
+    def leave(self, why):
+        """Tell the head we go (so it re-queues what still runs here), then go."""
+        self.accepting = False
+        self.channel.send(("leaving", why))
+        for scope in self.running.values():
+            scope.cancel()
+        self.done.set()
+
+    def on_fin(self):
+        self.leave_after_jobs = "the mission ended"
+        if not self.running:
+            self.done.set()
+
+    def on_drain(self):
+        self.leave_after_jobs = "asked to quit"
+        if not self.running:
+            self.leave(self.leave_after_jobs)
+
+    def on_leave(self):
+        self.leave("asked to quit now (-f)")
+
+    async def _watch_walltime(self):
+        wt = _part(self.res, "WTime")
+        if wt is None or not wt.countdown:
+            return
+        await trio.sleep(wt.remaining())
+        log.info("walltime is up; leaving")
+        self.leave("its walltime ended")
+
+    async def _watch_signals(self):
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("got %s; leaving", signal.Signals(signum).name)
+                self.leave(f"got {signal.Signals(signum).name}")
+                return
+
+
+async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
+                      key_path=None, max_frame=MAX_FRAME):
+    """Run a worker until it leaves. Returns the exit code."""
+    key = load_auth_key(key_path)
+    context = _load_context(context_file) if context_file else None
+    name = name or _hostname()
+    if listen:
+        listeners, urls = await open_listeners(listen)
+        log.info("worker %s waiting for a head to dial %s", name, ", ".join(urls.values()))
+        stream = await _accept_first(listeners, key)
+        for listener in listeners:
+            await listener.aclose()
+    elif parse_url(url)[0] == "edge":
+        stream = await edge_connect(parse_url(url)[2], key)
+    else:
+        stream = await open_stream(url)
+        await authenticate(stream, key, dialer=True)
+    channel = Channel(stream, max_frame, _peer_name(stream))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(channel.run_writer)
+        if listen:
+            first = await channel.receive()
+            if not (isinstance(first, tuple) and first[:1] == ("assign",)):
+                raise GrainError(f"the head sent {first!r:.60} instead of an assignment")
+            res = first[1]
+        provider = worker_provider(res)
+        wt = _part(provider, "WTime")
+        if wt is not None:
+            wt._start()
+        channel.send(("register", {"name": name, "res": provider, "pid": os.getpid(),
+                                   "host": _hostname()}))
+        log.info("worker %s registered with %r", name, provider)
+        if context is not None:
+            async with context() as value:
+                await WorkerProcess(channel, provider, name, value).serve()
+        else:
+            await WorkerProcess(channel, provider, name, None).serve()
+        channel.close_after_flush()
+        with trio.move_on_after(5):
+            await channel.flushed.wait()
+        nursery.cancel_scope.cancel()
+    await channel.aclose()
+    return 0
+
+
+async def cli_request(address, key, *msg):
+    """Send one command to the head at ``address``; its reply, or None if none answers."""
+    scheme, _, where = parse_url(address)
+    with trio.move_on_after(CLI_TIMEOUT_S):
+        if scheme == "edge":
+            with EdgeFile(where).locked() as data:
+                record = data["listener"]
+            if not EdgeFile.live(record):
+                return None
+            stream = await _try_connect(_order_urls(record), key)
+        else:
+            stream = await _try_connect([address], key)
+        if stream is None:
+            return None
+        channel = Channel(stream)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.run_writer)
+            channel.send(("cli", *msg))
+            reply = await channel.receive()
+            nursery.cancel_scope.cancel()
+        await channel.aclose()
+        return reply[1] if reply else None
+    return None
+
+
+def default_address():
+    return f"edge://{os.path.join(os.path.expanduser('~'), '.local', 'share', 'edge-file-default')}"
+
+
+def format_ls(stats):
+    """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
+    rows = [("WORKER", "CORES free/total", "MEMORY free/total", "WALLTIME", "RUNNING",
+             "STATUS", "WHERE")]
+    tc = [0, 0]
+    tm = [0.0, 0.0]
+    running = 0
+    for w in stats["workers"]:
+        tc = [tc[0] + w["cores"][0], tc[1] + w["cores"][1]]
+        tm = [tm[0] + w["memory"][0], tm[1] + w["memory"][1]]
+        running += w["running"]
+        rows.append((w["name"], f"{w['cores'][0]}/{w['cores'][1]}",
+                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB",
+                     "-" if w["walltime"] is None else format_walltime(w["walltime"]),
+                     str(w["running"]), w["status"], w["where"]))
+    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB", "", str(running),
+                 f"{len(stats['workers'])} worker(s)", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    by_class = ", ".join(f"{k}: {v}" for k, v in sorted(stats["retried_by_class"].items()))
+    lines.append("")
+    lines.append(f"jobs: {stats['queued']} queued, {stats['running']} running, "
+                 f"{stats['done']} done, {stats['failed']} failed, {stats['retried']} retried"
+                 + (f" ({by_class})" if by_class else ""))
+    if stats["next"]:
+        lines.append(f"next pending job requests {stats['next']}")
+    return "\n".join(lines)
 
 
 ###############################################################################
@@ -2222,19 +3384,107 @@ def build_parser():
         prog="grain.py",
         description="A resource-aware parallel scheduler for HPC clusters, in one file.")
     parser.add_argument("--version", action="version", version=_versions())
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p):
+        p.add_argument("--key", metavar="PATH",
+                       help="the shared key file (default ~/.local/share/grain/key)")
+
+    p = sub.add_parser("worker", help="run a worker: connect to a head and run its jobs")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", help="the head's address: tcp://host:port, unix:///path or "
+                       "edge:///path (default: the Edge file in ~/.local/share)")
+    where.add_argument("--listen", metavar="URL",
+                       help="be a passive worker: wait at tcp://:PORT for a head to dial")
+    p.add_argument("--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": {"N": '
+                   '16}, "Memory": {"M": 32}}\' (default: this cpuset and memory)')
+    p.add_argument("--context", metavar="FILE",
+                   help="a Python file whose grain_context() wraps the worker's life")
+    p.add_argument("--name", help="the worker's name (default: the hostname)")
+    common(p)
+
+    p = sub.add_parser("ls", help="show the head's workers and queue")
+    p.add_argument("-a", "--address", help="the head's address (default: the Edge file)")
+    common(p)
+
+    p = sub.add_parser("quit", help="make workers leave (after their jobs, or now with -f)")
+    p.add_argument("pattern", help="a glob over worker names, e.g. 'node1*'")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="leave now; their running jobs are re-queued")
+    p.add_argument("-a", "--address", help="the head's address (default: the Edge file)")
+    common(p)
     return parser
 
 
+def _cmd_worker(args):
+    res = None
+    if args.res is not None:
+        try:
+            res = Resource.from_dict(json.loads(args.res))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--res: malformed JSON ({e}): {args.res!r}") from None
+        except ValueError as e:
+            raise UsageError(f"--res: {e}") from None
+    url = args.url or default_address()
+    if args.listen:
+        parse_url(args.listen)
+    else:
+        parse_url(url)
+        worker_provider(res)  # refuse impossible resources before connecting
+    if args.context and not os.path.isfile(args.context):
+        raise UsageError(f"--context {args.context}: no such file")
+    return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
+                                      context_file=args.context, listen=args.listen,
+                                      key_path=args.key))
+
+
+def _cmd_ls(args):
+    address = args.address or default_address()
+    stats = trio.run(cli_request, address, load_auth_key(args.key), "stats")
+    if stats is None:
+        raise GrainError(f"no head is listening at {address}")
+    print(format_ls(stats))
+    return 0
+
+
+def _cmd_quit(args):
+    address = args.address or default_address()
+    reply = trio.run(cli_request, address, load_auth_key(args.key), "quit", args.pattern,
+                     args.force)
+    if reply is None:
+        raise GrainError(f"no head is listening at {address}")
+    for line in reply["done"]:
+        print(line)
+    return 0
+
+
+_COMMANDS = {"worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit}
+
+
 def main(argv=None):
-    """The command line. Returns the exit code."""
+    """The command line. Returns the exit code: 0 done, 1 failed, 2 bad input."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_subproc"]:  # internal: a subprocess-pool process (not in --help)
         return _subproc_child_main(int(argv[1]))
     parser = build_parser()
     args = parser.parse_args(argv)
-    parser.print_help()
-    return 0 if args.command is None else 2
+    if args.command is None:
+        parser.print_help()
+        return 0
+    _default_logging()
+    if args.verbose:
+        log.setLevel(logging.DEBUG)
+    try:
+        return _COMMANDS[args.command](args)
+    except (UsageError, ValueError) as e:
+        print(f"grain.py {args.command}: {e}", file=sys.stderr)
+        return 2
+    except GrainError as e:
+        print(f"grain.py {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 ###############################################################################
