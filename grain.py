@@ -1126,6 +1126,7 @@ class Channel:
         self._out = []
         self._wakeup = trio.Event()
         self._closed = False
+        self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
         self.last_heard = trio.current_time()
 
@@ -1138,22 +1139,35 @@ class Channel:
             self._wakeup.set()
 
     async def run_writer(self):
+        """Send what ``send`` queued whenever no one else is sending it already."""
         try:
             while True:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
-                if not self._out:
-                    if self._closed:
-                        return
-                    continue
-                data, self._out = b"".join(self._out), []
-                await self.stream.send_all(data)
-                if self._closed:
+                await self.flush()
+                if self._closed and not self._out:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._closed = True
         finally:
             self.flushed.set()
+
+    async def flush(self):
+        """Send everything queued now, from the calling task (saves waking the writer on the
+        per-job path). Messages queued meanwhile go out in the same loop, coalesced."""
+        if self._writing:
+            return
+        self._writing = True
+        try:
+            while self._out:
+                data, self._out = b"".join(self._out), []
+                await self.stream.send_all(data)
+        finally:
+            self._writing = False
+
+    @property
+    def has_buffered_input(self):
+        return bool(self._frames._ready)
 
     async def receive(self):
         """The next message, or None when the peer closed the connection."""
@@ -1412,6 +1426,18 @@ async def _send_heartbeats(channel):
     while True:
         await trio.sleep(HEARTBEAT_S)
         channel.send(("ping",))
+
+
+async def _watch_silence(channel, on_silent):
+    """Call ``on_silent()`` once the peer has sent nothing for SILENT_S. (One task per
+    connection, rather than a cancel scope around every receive: the per-message path
+    stays short.)"""
+    while True:
+        quiet = trio.current_time() - channel.last_heard
+        if quiet >= SILENT_S:
+            on_silent()
+            return
+        await trio.sleep(SILENT_S - quiet)
 
 
 def _edge_socket_path(edge_path, tag):
@@ -2132,7 +2158,15 @@ class GrainExecutor:
 
     def add_worker(self, worker):
         self.workers.append(worker)
+        self._workers_changed.set()
+        self._workers_changed = trio.Event()
         self._pump()
+
+    async def wait_for_workers(self, n, remote_only=True):
+        """Wait until at least ``n`` (remote) workers have joined."""
+        while sum(1 for w in self.workers
+                  if not remote_only or isinstance(w, RemoteWorker)) < n:
+            await self._workers_changed.wait()
 
     def remove_worker(self, worker):
         if worker in self.workers:
@@ -2332,20 +2366,20 @@ class GrainExecutor:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(channel.run_writer)
-                if assign is not None:
-                    channel.send(("assign", assign))
-                with trio.move_on_after(SILENT_S):
-                    first = await channel.receive()
-                if isinstance(first, tuple) and first[:1] == ("register",):
-                    await self._serve_worker(channel, first[1])
-                elif isinstance(first, tuple) and first[:1] == ("cli",):
-                    await self._serve_cli(channel, *first[1:])
-                elif first is not None:
-                    log.warning("peer %s sent an unknown greeting %.60r", peer, first)
+                try:  # inside the nursery, so the error is not wrapped in a group
+                    if assign is not None:
+                        channel.send(("assign", assign))
+                    with trio.move_on_after(SILENT_S):
+                        first = await channel.receive()
+                    if isinstance(first, tuple) and first[:1] == ("register",):
+                        await self._serve_worker(channel, first[1])
+                    elif isinstance(first, tuple) and first[:1] == ("cli",):
+                        await self._serve_cli(channel, *first[1:])
+                    elif first is not None:
+                        log.warning("peer %s sent an unknown greeting %.60r", peer, first)
+                except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
+                    log.warning("connection from %s dropped: %s", peer, e)
                 nursery.cancel_scope.cancel()
-        except (PeerError, OSError, trio.BrokenResourceError, pickle.UnpicklingError,
-                EOFError) as e:
-            log.warning("connection from %s dropped: %s", peer, e)
         finally:
             await channel.aclose()
 
@@ -2356,15 +2390,20 @@ class GrainExecutor:
         log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
                  w.total)
         why, kind = "was lost (its connection closed)", RETRY_LOST
+        silent = []
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_send_heartbeats, channel)
+
+                def on_silent():
+                    silent.append(True)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(_watch_silence, channel, on_silent)
                 while True:
-                    with trio.move_on_after(SILENT_S) as silence:
-                        msg = await channel.receive()
-                    if silence.cancelled_caught:
-                        why = f"was lost (silent for {SILENT_S:g} s)"
-                        break
+                    if channel._out and not channel.has_buffered_input:
+                        await channel.flush()  # the jobs this batch of results let start
+                    msg = await channel.receive()
                     if msg is None:
                         break
                     op = msg[0]
@@ -2376,6 +2415,8 @@ class GrainExecutor:
                 nursery.cancel_scope.cancel()
         finally:
             self.remove_worker(w)
+            if silent:
+                why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
                 why, kind = f"retired ({w.leaving})", RETRY_RETIRED
             if w.jobs:
@@ -2464,6 +2505,7 @@ class GrainExecutor:
             self._runtime.pool = rt.pool  # a pool opened around us stays usable
         self._rt_token = _RUNTIME.set(self._runtime)
         self._t0 = time.perf_counter()
+        self._workers_changed = trio.Event()
         self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery)
         if self.rpw is not None and self.rpw._parts():
             self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery))
@@ -3168,19 +3210,26 @@ class WorkerProcess:
             nursery.start_soon(self._watch_walltime)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._receive_loop, handlers)
+            nursery.start_soon(_watch_silence, self.channel, self._on_silent_head)
             await self.done.wait()
             nursery.cancel_scope.cancel()
 
     async def _receive_loop(self, handlers):
         while True:
-            with trio.move_on_after(SILENT_S) as silence:
+            try:
                 msg = await self.channel.receive()
-            if silence.cancelled_caught or msg is None:
-                log.warning("lost the head (%s); leaving",
-                            "silent" if silence.cancelled_caught else "connection closed")
+            except PeerError as e:
+                log.warning("%s", e)
+                msg = None
+            if msg is None:
+                log.warning("lost the head (connection closed); leaving")
                 self.done.set()
                 return
             handlers[msg[0]](*msg[1:])
+
+    def _on_silent_head(self):
+        log.warning("lost the head (silent for %g s); leaving", SILENT_S)
+        self.done.set()
 
     def on_function(self, digest, data):
         try:
@@ -3222,6 +3271,8 @@ class WorkerProcess:
                 reply = (False, data)
             self.channel.send(("done", jid, reply[0], reply[1], trio.current_time() - started))
         self.running.pop(jid, None)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.channel.flush()
         if self.leave_after_jobs and not self.running:
             self.leave(self.leave_after_jobs)
 

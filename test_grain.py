@@ -1,10 +1,12 @@
 """Tests for grain.py. Run: python -m pytest -q
 
 Real processes, real pipes and files; trio's MockClock where time matters."""
+import contextlib
 import functools
 import logging
 import math
 import os
+import pathlib
 import pickle
 import re
 import signal
@@ -16,6 +18,12 @@ import time
 import pytest
 import trio
 import trio.testing
+
+# Missions listen on ~/.local/share/edge-file-default and keep their key in
+# ~/.local/share/grain: give the whole test run (and its child processes) a home of its own.
+import tempfile
+
+os.environ["HOME"] = tempfile.mkdtemp(prefix="grain-test-home-")
 
 import grain
 
@@ -947,3 +955,433 @@ def test_ctrl_c_leaves_no_orphan(tmp_path):
     err = proc.communicate(timeout=20)[1]
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert not pid_alive(child)
+
+
+###############################################################################
+# Across machines: real worker processes, sockets and Edge files
+###############################################################################
+
+
+class Workers:
+    """Worker processes started for a test, all killed at its end."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.procs = []
+
+    def start(self, *args, name="w"):
+        log = open(self.tmp_path / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, GRAIN, "worker", "--name", name, *args],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+        proc.log_path = self.tmp_path / f"{name}.log"
+        self.procs.append(proc)
+        return proc
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    w = Workers(tmp_path)
+    yield w
+    w.close()
+
+
+async def wait_exit(proc, timeout=15):
+    with trio.fail_after(timeout):
+        while proc.poll() is None:
+            await trio.sleep(0.05)
+    return proc.returncode
+
+
+async def where_am_i(x, delay=0.0):
+    import os
+    import trio
+    from grain import GVAR
+    await trio.sleep(delay)
+    return x, os.getpid(), list(GVAR.res.c), GVAR.instance
+
+
+async def pid_then_sleep(pidfile, seconds):
+    import os
+    import trio
+    with open(pidfile, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    await trio.sleep(seconds)
+    return os.getpid()
+
+
+@trio_test
+async def test_remote_worker_over_tcp(workers):
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        url = exer.urls["tcp"]
+        w = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="tcpw")
+        await exer.wait_for_workers(1)
+        results = [await j for j in [exer.submit(Cores(1), where_am_i, i) for i in range(5)]]
+        allowed = sorted(os.sched_getaffinity(0))
+        for i, (x, pid, cores, inst) in enumerate(results):
+            assert x == i and pid == w.pid != os.getpid() and inst == "tcpw"
+            assert cores == allowed[:1]   # the allocated slice of the worker's real cpuset
+    assert await wait_exit(w) == 0           # FIN at mission end: it leaves cleanly
+
+
+@pytest.mark.parametrize("worker_first", [True, False])
+@trio_test
+async def test_remote_workers_meet_the_head_through_an_edge_file(workers, tmp_path,
+                                                                  worker_first):
+    edge = tmp_path / "edge"
+    url = f"edge://{edge}"
+    if worker_first:
+        w = workers.start("--url", url, name="edgew")
+        with trio.fail_after(15):
+            while not (edge.exists() and '"did"' in edge.read_text()):
+                await trio.sleep(0.05)   # recorded as a waiting dialer
+    async with grain.GrainExecutor(listen=url) as exer:
+        assert '"lid"' in edge.read_text() and oct(edge.stat().st_mode)[-3:] == "600"
+        if not worker_first:
+            w = workers.start("--url", url, name="edgew")
+        await exer.wait_for_workers(1)
+        x, pid, cores, inst = await exer.submit(Cores(2), where_am_i, 1)
+        assert pid == w.pid and len(cores) == 2 and inst == "edgew"
+    assert await wait_exit(w) == 0
+    import json
+    assert json.loads(edge.read_text())["listener"] is None   # our record is gone
+
+
+def test_edge_file_recovery(tmp_path):
+    edge = tmp_path / "edge"
+    for content in ["", "{not json", '{"listener": {"host": "x", "urls": {}, "heartbeat": 1}}',
+                    '["a list"]']:
+        edge.write_text(content)
+        with grain.EdgeFile(str(edge)).locked() as data:
+            assert not grain.EdgeFile.live(data["listener"]) and data["dialer"] == []
+
+
+def test_ls_without_a_head(tmp_path):
+    cp = run_py(GRAIN, "ls", "-a", f"edge://{tmp_path}/edge")
+    assert cp.returncode == 1
+    assert cp.stderr.strip() == f"grain.py ls: no head is listening at edge://{tmp_path}/edge"
+
+
+@trio_test
+async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
+    pidfile = tmp_path / "pids"
+    async with grain.GrainExecutor(rpw=Cores(1), listen="tcp://127.0.0.1:0") as exer:
+        url = exer.urls["tcp"]
+        a = workers.start("--url", url, "--res", '{"Cores": {"N": 1}, "Memory": {"M": 2}}',
+                          name="node-a")
+        b = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="node-b")
+        await exer.wait_for_workers(2)
+        jobs = [exer.submit(Cores(1), pid_then_sleep, str(pidfile), 3) for _ in range(3)]
+        with trio.fail_after(10):
+            while len(pidfile.read_text().split() if pidfile.exists() else []) < 3:
+                await trio.sleep(0.05)
+        cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "ls", "-a", url))
+        assert cp.returncode == 0, cp.stderr
+        out = cp.stdout
+        assert re.search(r"^node-a\s+0/1\s+2/2 GB\s+-\s+1\s+up\s+pid \d+", out, re.M), out
+        assert re.search(r"^node-b\s+0/1\s+", out, re.M)
+        assert re.search(r"^local\s+0/1\s+", out, re.M)
+        assert re.search(r"^TOTAL\s+0/3\s+.*3\s+3 worker\(s\)", out, re.M)
+        assert "jobs: 0 queued, 3 running, 0 done, 0 failed, 0 retried" in out
+        # quit without -f: node-a finishes its job, then leaves.
+        cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "quit", "-a", url, "node-a"))
+        assert "node-a: takes no new jobs; leaves after its 1 running job(s)" in cp.stdout
+        # quit -f: node-b leaves now; its job is re-queued and runs elsewhere.
+        cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "quit", "-f", "-a", url,
+                                                          "node-b"))
+        assert "node-b: leaving now" in cp.stdout
+        assert await wait_exit(b) == 0
+        pids = [await j for j in jobs]
+        assert pids.count(a.pid) == 1 and b.pid not in pids and pids.count(os.getpid()) == 2
+        assert exer.retried_by_class == {"worker retired": 1}
+        assert await wait_exit(a) == 0
+        cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "quit", "-a", url, "nobody*"))
+        assert "no worker matches 'nobody*'" in cp.stdout
+
+
+@trio_test
+async def test_kill_9_of_a_worker_mid_job(workers, tmp_path):
+    pidfile = tmp_path / "pids"
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        url = exer.urls["tcp"]
+        first = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="first")
+        await exer.wait_for_workers(1)
+        job = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 1.0)
+        with trio.fail_after(10):
+            while not pidfile.exists():
+                await trio.sleep(0.02)
+        second = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="second")
+        await exer.wait_for_workers(2)
+        first.kill()
+        assert await job == second.pid
+        assert exer.retried_by_class == {"worker lost": 1}
+        assert [w.name for w in exer.workers] == ["second"]
+
+
+@trio_test
+async def test_a_worker_whose_walltime_ends_mid_mission(workers):
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        url = exer.urls["tcp"]
+        short = workers.start("--url", url, "--res",
+                              '{"Cores": {"N": 1}, "WTime": {"T": 3, "countdown": true}}',
+                              name="short")
+        await exer.wait_for_workers(1)
+        assert exer.workers[0].res.remaining() <= 3
+        # Fits the worker's remaining time by softT, but runs past its walltime.
+        job = exer.submit(Cores(1) & WTime(T=20, softT=1), where_am_i, 0, 5)
+        too_long = exer.submit(Cores(1) & WTime(T=20, softT=10), where_am_i, 1)
+        assert await wait_exit(short) == 0     # it leaves at its walltime, telling the head
+        with trio.fail_after(5):
+            while not exer.retried_by_class:
+                await trio.sleep(0.05)
+        assert exer.retried_by_class == {"worker retired": 1} and job.state == "queued"
+        long = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="long")
+        assert (await job)[3] == "long" and (await too_long)[3] == "long"
+        assert job.attempts == 2 and too_long.attempts == 1   # never sent to "short"
+
+
+@trio_test
+async def test_sigterm_on_a_worker_requeues_its_jobs(workers, tmp_path):
+    pidfile = tmp_path / "pids"
+    async with grain.GrainExecutor(rpw=Cores(1), listen="tcp://127.0.0.1:0") as exer:
+        w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}',
+                          name="slurmjob")
+        await exer.wait_for_workers(1)
+        job = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 2)
+        exer.submit(Cores(1), pid_then_sleep, str(pidfile), 2)
+        with trio.fail_after(10):
+            while len(pidfile.read_text().split() if pidfile.exists() else []) < 2:
+                await trio.sleep(0.02)
+        w.send_signal(signal.SIGTERM)
+        assert await wait_exit(w) == 0
+        await job
+        assert exer.retried_by_class == {"worker retired": 1}
+
+
+def test_passive_workers_for_run_combine(workers, tmp_path):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    w = workers.start("--listen", f"tcp://127.0.0.1:{port}", name="passive")
+
+    async def main():
+        async with grain.open_waitgroup() as wg:
+            for i in range(3):
+                wg.submit(Cores(1), where_am_i, i, 0.3)
+        return wg.results
+
+    deadline = time.monotonic() + 15
+    while "waiting for a head" not in w.log_path.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    results = grain.run_combine(main, [f"tcp://127.0.0.1:{port}"], rpw=Cores(1),
+                                address=False)
+    assert {r[1] for r in results} <= {w.pid, os.getpid()} and w.pid in {r[1] for r in results}
+    assert w.wait(15) == 0
+
+
+###############################################################################
+# Security: nothing is unpickled before the handshake
+###############################################################################
+
+
+class CreatesFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@trio_test
+async def test_the_head_refuses_bad_peers_and_keeps_serving(workers, tmp_path, caplog):
+    evil = tmp_path / "pwned"
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+            url = exer.urls["tcp"]
+            port = int(url.rsplit(":", 1)[1])
+            good = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="good")
+            await exer.wait_for_workers(1)
+            payload = pickle.dumps(CreatesFile(str(evil)))
+            attacks = [
+                grain.encode_frame(pickle.dumps(("register", {"name": "x"}))),   # no handshake
+                grain.encode_frame(payload),                                     # a pickle bomb
+                os.urandom(300),                                                 # noise
+                b"\xff\xff\xff\xff" + os.urandom(64),                            # huge length
+                grain.AUTH_MAGIC + os.urandom(32) + os.urandom(32),              # wrong key
+            ]
+            for data in attacks:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(data)
+                    with trio.move_on_after(grain.HANDSHAKE_TIMEOUT_S + 2):
+                        while await stream.receive_some(1024):
+                            pass
+                await stream.aclose()
+            # A peer with the wrong key, speaking the protocol properly.
+            with pytest.raises(grain.AuthenticationError):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await grain.authenticate(stream, os.urandom(32), dialer=True)
+            assert not evil.exists()
+            assert (await exer.submit(Cores(1), where_am_i, 7))[1] == good.pid
+    refusals = [r.getMessage() for r in caplog.records if "refused a connection" in
+                r.getMessage()]
+    assert len(refusals) == 6 and all("127.0.0.1:" in m for m in refusals)
+
+
+@trio_test
+async def test_oversized_frame_after_auth_closes_only_that_connection(workers):
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0", max_frame=1000) as exer:
+        url = exer.urls["tcp"]
+        port = int(url.rsplit(":", 1)[1])
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await grain.authenticate(stream, exer.key, dialer=True)
+        await stream.send_all(grain.FRAME_HEADER.pack(10 ** 6) + b"x" * 100)
+        with trio.fail_after(5):
+            while await stream.receive_some(1024):
+                pass   # the head closes this connection
+        w = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="after")
+        await exer.wait_for_workers(1)
+        assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
+
+
+def test_handshake_state_machine():
+    key = os.urandom(32)
+    a, b = grain.Handshake(key, dialer=True), grain.Handshake(key, dialer=False)
+    pa, pb = a.proof(b.hello()), b.proof(a.hello())
+    a.verify(pb)
+    b.verify(pa)
+    with pytest.raises(grain.AuthenticationError):
+        a.verify(pa)                     # a proof reflected back is refused
+    c = grain.Handshake(os.urandom(32), dialer=False)
+    pc = c.proof(a.hello())
+    with pytest.raises(grain.AuthenticationError, match="does not hold the grain key"):
+        a.verify(pc)
+    with pytest.raises(grain.AuthenticationError, match="does not speak"):
+        a.proof(b"HTTP/1.1 200 OK" + b"x" * 25)
+
+
+def test_key_file_is_created_private_and_a_readable_one_is_refused(tmp_path):
+    path = tmp_path / "sub" / "key"
+    key = grain.load_auth_key(str(path))
+    assert len(key) == 32 and oct(path.stat().st_mode)[-3:] == "600"
+    assert grain.load_auth_key(str(path)) == key
+    path.chmod(0o644)
+    with pytest.raises(grain.GrainError, match=r"readable by others \(mode 0644\).*chmod 600"):
+        grain.load_auth_key(str(path))
+    cp = run_py(GRAIN, "ls", "--key", str(path), "-a", "tcp://127.0.0.1:1")
+    assert cp.returncode == 1 and "chmod 600" in cp.stderr and "Traceback" not in cp.stderr
+
+
+def test_frame_decoder():
+    dec = grain.FrameDecoder(max_frame=10)
+    data = grain.encode_frame(b"abc") + grain.encode_frame(b"") + grain.encode_frame(b"0123")
+    assert dec.feed(data[:5]) == [] and dec.feed(data[5:]) == [b"abc", b"", b"0123"]
+    assert dec.feed(grain.encode_frame(b"12")[:3]) == [] and dec.pending == 3
+    with pytest.raises(grain.FrameError, match="exceeds the maximum 10"):
+        grain.FrameDecoder(max_frame=10).feed(grain.FRAME_HEADER.pack(11))
+
+
+###############################################################################
+# Bad input across machines
+###############################################################################
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--res", "{bad"], "--res: malformed JSON"),
+    (["--res", '{"GPU": {"N": 1}}'], "unknown resource kind 'GPU'"),
+    (["--res", '{"Cores": {"N": 9999}}'], "asks for 9999 cores but this process may use only"),
+    (["--url", "http://head:80"], "unsupported address scheme 'http'"),
+    (["--url", "edge:///no/such/dir/edge"], "directory /no/such/dir does not exist"),
+])
+def test_worker_bad_input(args, message):
+    cp = run_py(GRAIN, "worker", *args)
+    assert cp.returncode == 2
+    assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
+
+
+def test_edge_in_a_directory_we_cannot_write(tmp_path, monkeypatch):
+    # The suite runs as root in CI, for whom every directory is writable: ask os.access.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path)
+                        else real_access(p, mode))
+    with pytest.raises(grain.UsageError, match=f"directory {tmp_path} is not writable"):
+        grain.EdgeFile(str(tmp_path / "edge"))
+
+
+@trio_test
+async def test_unpicklable_job_or_result():
+    async def returns_lock():
+        return (i for i in range(3))
+
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        gen = (i for i in range(3))
+        with pytest.raises(TypeError, match=r"where_am_i: argument 1 \(<generator object.*"
+                                            "cannot be pickled"):
+            exer.submit(Cores(1), where_am_i, 1, gen)
+    w = Workers(pathlib.Path(tempfile.mkdtemp()))
+    try:
+        async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+            w.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+            await exer.wait_for_workers(1)
+            with pytest.raises(grain.GrainError, match="the result cannot be pickled.*generator"):
+                await exer.submit(Cores(1), returns_lock)
+    finally:
+        w.close()
+
+
+@trio_test
+async def test_worker_context_module(workers, tmp_path):
+    ctx = tmp_path / "ctx.py"
+    ctx.write_text(textwrap.dedent("""
+        from contextlib import asynccontextmanager
+        from grain.subproc import subprocess_pool_scope
+
+        @asynccontextmanager
+        async def grain_context():
+            async with subprocess_pool_scope():
+                yield {"scratch": "/tmp/scratch"}
+    """))
+
+    async def job():
+        from grain import GVAR
+        return GVAR.context, await sp_info(2)
+
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}',
+                          "--context", str(ctx), name="ctxw")
+        await exer.wait_for_workers(1)
+        context, (sq, child_pid, affinity, cores, inst) = await exer.submit(Cores(1), job)
+    assert context == {"scratch": "/tmp/scratch"} and sq == 4 and inst == "ctxw"
+    assert child_pid not in (w.pid, os.getpid()) and affinity == cores
+    assert await wait_exit(w) == 0
+
+
+def test_a_worker_that_loses_its_head_leaves(workers, tmp_path):
+    edge = tmp_path / "edge"
+    head = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, trio; sys.path.insert(0, {HERE!r})
+        from grain.delayed import run
+        async def main():
+            await trio.sleep(60)
+        run(main, address="edge://{edge}")
+    """)], cwd=HERE)
+    try:
+        w = workers.start("--url", f"edge://{edge}", name="orphan")
+        deadline = time.monotonic() + 20
+        while "registered" not in w.log_path.read_text():
+            assert time.monotonic() < deadline, w.log_path.read_text()
+            time.sleep(0.05)
+        head.kill()
+        assert w.wait(15) == 0
+        assert "lost the head" in w.log_path.read_text()
+    finally:
+        head.kill()
+        head.wait()
