@@ -98,7 +98,7 @@ import sys
 import time
 import traceback
 import types
-from collections import deque
+from collections import deque, namedtuple
 
 try:
     import trio
@@ -615,78 +615,66 @@ class Cores(Resource):
         self.N, self.c, self._total = st
 
 
-class Memory(Resource):
+class _Quantity(Resource):
+    """A divisible amount a worker holds and jobs use up (Memory, Capacity)."""
+
+    _UNIT = ""
+    __slots__ = ("_q", "_total")
+
+    def __init__(self, amount):
+        self._q = self._total = _check_amount(amount, f"{self.kind}({self._ARGS[0]})")
+
+    def _request(self, res):
+        return res._q <= self._q + 1e-9
+
+    def _alloc(self, res):
+        self._q -= res._q
+        return type(self)(res._q)
+
+    def _dealloc(self, res):
+        self._q = min(self._total, self._q + res._q)
+
+    def _repr(self):
+        return f"{self.kind}({self._q:g}{self._UNIT})"
+
+    def _stat(self):
+        return (self._q, self._total)
+
+    def _args(self):
+        return {self._ARGS[0]: self._q}
+
+    def __getstate__(self):
+        return (self._q, self._total)
+
+    def __setstate__(self, st):
+        self._q, self._total = st
+
+
+class Memory(_Quantity):
     """Memory in GB: ``Memory(8)``; ``.M`` is the amount (int or float)."""
 
     kind = "Memory"
     _ARGS = ("M",)
-    __slots__ = ("M", "_total")
+    _UNIT = "GB"
+    __slots__ = ()
+    M = property(lambda self: self._q)
 
     def __init__(self, M):
-        self.M = self._total = _check_amount(M, "Memory(M): the amount in GB")
-
-    def _request(self, res):
-        return res.M <= self.M + 1e-9
-
-    def _alloc(self, res):
-        self.M -= res.M
-        return Memory(res.M)
-
-    def _dealloc(self, res):
-        self.M = min(self._total, self.M + res.M)
-
-    def _repr(self):
-        return f"Memory({self.M:g}GB)"
-
-    def _stat(self):
-        return (self.M, self._total)
-
-    def _args(self):
-        return {"M": self.M}
-
-    def __getstate__(self):
-        return (self.M, self._total)
-
-    def __setstate__(self, st):
-        self.M, self._total = st
+        super().__init__(M)
 
 
-class Capacity(Resource):
+class Capacity(_Quantity):
     """A unitless amount ``V`` a worker holds and jobs use up, e.g. licence seats.
     ``ONE_INSTANCE`` (= ``Capacity(1)``) on a worker with ``Capacity(1)`` lets one job run
     there at a time."""
 
     kind = "Capacity"
     _ARGS = ("V",)
-    __slots__ = ("V", "_total")
+    __slots__ = ()
+    V = property(lambda self: self._q)
 
     def __init__(self, V):
-        self.V = self._total = _check_amount(V, "Capacity(V)")
-
-    def _request(self, res):
-        return res.V <= self.V + 1e-9
-
-    def _alloc(self, res):
-        self.V -= res.V
-        return Capacity(res.V)
-
-    def _dealloc(self, res):
-        self.V = min(self._total, self.V + res.V)
-
-    def _repr(self):
-        return f"Capacity({self.V:g})"
-
-    def _stat(self):
-        return (self.V, self._total)
-
-    def _args(self):
-        return {"V": self.V}
-
-    def __getstate__(self):
-        return (self.V, self._total)
-
-    def __setstate__(self, st):
-        self.V, self._total = st
+        super().__init__(V)
 
 
 class Token(Resource):
@@ -1744,20 +1732,8 @@ class Worker:
                                 "up" if self.accepting else "draining")
 
 
-class WorkerStatistics(tuple):
-    """(name, free, total, running, status); free/total are ``Resource.stat()`` dicts."""
-
-    __slots__ = ()
-    _fields = ("name", "free", "total", "running", "status")
-
-    def __new__(cls, *values):
-        return tuple.__new__(cls, values)
-
-    name = property(operator.itemgetter(0))
-    free = property(operator.itemgetter(1))
-    total = property(operator.itemgetter(2))
-    running = property(operator.itemgetter(3))
-    status = property(operator.itemgetter(4))
+WorkerStatistics = namedtuple("WorkerStatistics", "name free total running status")
+WorkerStatistics.__doc__ = "A worker at one moment; free/total are ``Resource.stat()`` dicts."
 
 
 def _local_provider(rpw):
@@ -1923,22 +1899,9 @@ class Job:
         return f"<Job {self.name} {self.req!r} {self.state}>"
 
 
-class ExecutorStatistics(tuple):
-    """Counters of an executor at one moment, for ``ls``."""
-
-    __slots__ = ()
-    _fields = ("queued", "running", "done", "failed", "retried", "workers", "next_request")
-
-    def __new__(cls, *values):
-        return tuple.__new__(cls, values)
-
-    queued = property(operator.itemgetter(0))
-    running = property(operator.itemgetter(1))
-    done = property(operator.itemgetter(2))
-    failed = property(operator.itemgetter(3))
-    retried = property(operator.itemgetter(4))
-    workers = property(operator.itemgetter(5))
-    next_request = property(operator.itemgetter(6))
+ExecutorStatistics = namedtuple(
+    "ExecutorStatistics", "queued running done failed retried workers next_request")
+ExecutorStatistics.__doc__ = "Counters of an executor at one moment, for ``ls``."
 
 
 class _GroupTimes:
