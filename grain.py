@@ -1998,6 +1998,7 @@ class GrainExecutor:
         self._sync_jobs = None
         self.counts = {"done": 0, "failed": 0, "retried": 0}
         self.retried_by_class = {}
+        self.failed_by_class = {}
         self.elapsed = None
         self.listen = listen
         self.key = key
@@ -2206,6 +2207,9 @@ class GrainExecutor:
             job.error = error
             job.state = "failed"
             self.counts["failed"] += 1
+            if kind is None:
+                kind = "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
@@ -2412,6 +2416,7 @@ class GrainExecutor:
         return {"workers": workers, "queued": st.queued, "running": st.running,
                 "done": st.done, "failed": st.failed, "retried": st.retried,
                 "retried_by_class": dict(self.retried_by_class),
+                "failed_by_class": dict(self.failed_by_class),
                 "next": repr(st.next_request) if st.next_request is not None else None}
 
     def _cli_quit(self, pattern, force):
@@ -3047,17 +3052,23 @@ def _memory_gb():
     return round((limit or 0) / 2 ** 30, 2)
 
 
-def worker_provider(req=None):
+def worker_provider(req=None, oversubscribe=False):
     """The resources a worker offers, from its ``--res`` request (None: the whole cpuset and
     memory). Core ids come from this process's affinity set: the cores the batch system gave
-    the job, not 0..N-1."""
+    the job, not 0..N-1. More cores than that set is an error, unless ``oversubscribe``
+    (then the ids past the real ones are virtual, as for the in-process worker)."""
     allowed = _allowed_cores()
     if req is None or req is ZERO:
         return Cores._ids(allowed) & Memory(_memory_gb())
     parts = dict(req._parts())
     cores = parts.get("Cores")
     if cores is not None:
-        if cores.c is None:
+        if cores.c is None and cores.N > len(allowed) and oversubscribe:
+            parts["Cores"] = Cores._ids(allowed + [max(allowed) + 1 + i for i in
+                                                   range(cores.N - len(allowed))])
+            log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
+                     cores.N, len(allowed), _fmt_ids(allowed))
+        elif cores.c is None:
             if cores.N > len(allowed):
                 raise UsageError(f"--res asks for {cores.N} cores but this process may use "
                                  f"only {len(allowed)} ({_fmt_ids(allowed)})")
@@ -3277,7 +3288,7 @@ class WorkerProcess:
 
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
-                      key_path=None, max_frame=MAX_FRAME):
+                      key_path=None, max_frame=MAX_FRAME, oversubscribe=False):
     """Run a worker until it leaves. Returns the exit code."""
     key = load_auth_key(key_path)
     context = _load_context(context_file) if context_file else None
@@ -3301,7 +3312,7 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
             if not (isinstance(first, tuple) and first[:1] == ("assign",)):
                 raise GrainError(f"the head sent {first!r:.60} instead of an assignment")
             res = first[1]
-        provider = worker_provider(res)
+        provider = worker_provider(res, oversubscribe)
         wt = _part(provider, "WTime")
         if wt is not None:
             wt._start()
@@ -3369,11 +3380,15 @@ def format_ls(stats):
                  f"{len(stats['workers'])} worker(s)", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    by_class = ", ".join(f"{k}: {v}" for k, v in sorted(stats["retried_by_class"].items()))
+    def by_class(counts):
+        inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+        return f" ({inner})" if inner else ""
+
     lines.append("")
     lines.append(f"jobs: {stats['queued']} queued, {stats['running']} running, "
-                 f"{stats['done']} done, {stats['failed']} failed, {stats['retried']} retried"
-                 + (f" ({by_class})" if by_class else ""))
+                 f"{stats['done']} done, {stats['failed']} failed"
+                 f"{by_class(stats['failed_by_class'])}, {stats['retried']} retried"
+                 f"{by_class(stats['retried_by_class'])}")
     if stats["next"]:
         lines.append(f"next pending job requests {stats['next']}")
     return "\n".join(lines)
@@ -3413,6 +3428,9 @@ def build_parser():
                        help="be a passive worker: wait at tcp://:PORT for a head to dial")
     p.add_argument("--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": {"N": '
                    '16}, "Memory": {"M": 32}}\' (default: this cpuset and memory)')
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow --res to offer more cores than this process's cpuset (the "
+                   "extra ids are virtual; for tests and benchmarks)")
     p.add_argument("--context", metavar="FILE",
                    help="a Python file whose grain_context() wraps the worker's life")
     p.add_argument("--name", help="the worker's name (default: the hostname)")
@@ -3445,12 +3463,12 @@ def _cmd_worker(args):
         parse_url(args.listen)
     else:
         parse_url(url)
-        worker_provider(res)  # refuse impossible resources before connecting
+        worker_provider(res, args.oversubscribe)  # refuse impossible resources up front
     if args.context and not os.path.isfile(args.context):
         raise UsageError(f"--context {args.context}: no such file")
     return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
-                                      key_path=args.key))
+                                      key_path=args.key, oversubscribe=args.oversubscribe))
 
 
 def _cmd_ls(args):

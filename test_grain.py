@@ -1088,6 +1088,9 @@ async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
         assert re.search(r"^local\s+0/1\s+", out, re.M)
         assert re.search(r"^TOTAL\s+0/3\s+.*3\s+3 worker\(s\)", out, re.M)
         assert "jobs: 0 queued, 3 running, 0 done, 0 failed, 0 retried" in out
+        formatted = grain.format_ls(dict(exer._cli_stats(), failed=3,
+                                         failed_by_class={"raised": 2, "ran past its T": 1}))
+        assert "3 failed (raised: 2, ran past its T: 1), 0 retried" in formatted
         # quit without -f: node-a finishes its job, then leaves.
         cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "quit", "-a", url, "node-a"))
         assert "node-a: takes no new jobs; leaves after its 1 running job(s)" in cp.stdout
@@ -1385,3 +1388,37 @@ def test_a_worker_that_loses_its_head_leaves(workers, tmp_path):
     finally:
         head.kill()
         head.wait()
+
+
+def test_worker_resources_come_from_the_affinity_set():
+    allowed = sorted(os.sched_getaffinity(0))
+    full = grain.worker_provider()
+    assert full.c == allowed and full.M > 0
+    assert grain.worker_provider(Cores(1) & Token("gpu")).c == allowed[:1]
+    with pytest.raises(grain.UsageError, match="may use only"):
+        grain.worker_provider(Cores(len(allowed) + 2))
+    over = grain.worker_provider(Cores(len(allowed) + 2), oversubscribe=True)
+    assert over.N == len(allowed) + 2 and over.c[:len(allowed)] == allowed
+    with pytest.raises(grain.UsageError, match="names cores"):
+        grain.worker_provider(Cores([max(allowed) + 5]))
+
+
+@trio_test
+async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
+    async with grain.GrainExecutor() as exer:
+        head_side, fake_side = trio.testing.memory_stream_pair()
+        exer._nursery.start_soon(exer._on_connection, head_side, "fake-peer")
+        register = ("register", {"name": "mute", "res": Cores([0, 1]), "pid": 1})
+        await fake_side.send_all(grain.encode_frame(grain.dumps_control(register)))
+        await exer.wait_for_workers(1)
+        t0 = trio.current_time()
+        job = exer.submit(Cores(1), where_am_i, 1)
+        frames = grain.FrameStream(fake_side)
+        assert pickle.loads(await frames.receive())[0] == "fn"
+        assert pickle.loads(await frames.receive())[0] == "run"   # it was sent there
+        while exer.workers:                                        # ...which never answers
+            await trio.sleep(1)
+        assert trio.current_time() - t0 == pytest.approx(grain.SILENT_S, abs=1)
+        assert job.state == "queued" and exer.retried_by_class == {"worker lost": 1}
+        exer.add_worker(grain.LocalWorker(exer, Cores(1), "rescue", exer._nursery))
+        assert (await job)[3] == "rescue"
