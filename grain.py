@@ -69,6 +69,7 @@ if __name__ == "__main__":
 # Imports and compat ##########################################################
 ###############################################################################
 
+import argparse
 import bisect
 import contextlib
 import contextvars
@@ -88,6 +89,7 @@ import operator
 import os
 import pickle
 import re
+import shlex
 import signal
 import socket
 import stat
@@ -143,6 +145,7 @@ EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge rec
 EDGE_STALE_S = 45.0       # seconds after which an unrefreshed Edge record is stale
 EDGE_CONNECT_S = 3.0      # seconds to try one URL from an Edge record
 CLI_TIMEOUT_S = 5.0       # seconds `ls`/`quit` wait for a head to answer
+JOB_WATCH_S = 10.0        # seconds between checks for batch jobs that ended unjoined
 LEAVE_BEFORE_S = 180.0    # seconds before its walltime ends that a job script's worker leaves
 
 ###############################################################################
@@ -778,7 +781,7 @@ class WTime(Resource):
             fields.append(f"left={format_walltime(self.remaining())}")
         elif self.T is not None:
             fields.append(f"T={format_walltime(self.T)}")
-        if self.softT is not None and self.softT != self.T:
+        if self.softT is not None and self.softT != self.T and not self.countdown:
             fields.append(f"softT={format_walltime(self.softT)}")
         if self.group is not None:
             fields.append(f"group={self.group}")
@@ -1407,7 +1410,7 @@ def _peer_name(stream):
         return "?"
     if isinstance(addr, tuple):
         return f"{addr[0]}:{addr[1]}"
-    return f"unix:{addr or '(unnamed)'}"
+    return f"unix:{addr}" if addr else "a local Unix socket"
 
 
 async def _send_heartbeats(channel):
@@ -1789,8 +1792,9 @@ class RemoteWorker(Worker):
     """A worker process on the other end of a Channel. Functions are sent once per worker
     (by digest); after that a job costs one small frame each way."""
 
-    def __init__(self, executor, res, name, channel, pid=None, host=None):
+    def __init__(self, executor, res, name, channel, pid=None, host=None, job_id=None):
         super().__init__(executor, res, name)
+        self.job_id = job_id
         self.channel = channel
         self.pid = pid
         self.host = host
@@ -1974,7 +1978,7 @@ class GrainExecutor:
 
     def __init__(self, rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES, name="local",
                  listen=None, key=None, waddrs=(), max_frame=MAX_FRAME,
-                 listen_optional=False):
+                 listen_optional=False, job_book=None):
         if rpw is not None and not isinstance(rpw, Resource):
             raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
         if isinstance(temporary_err, type):
@@ -2006,6 +2010,8 @@ class GrainExecutor:
         self.max_frame = max_frame
         self.listen_optional = listen_optional  # a mission runs on if another head has the address
         self.urls = {}           # where this head listens: {interface: url}
+        self.joined_job_ids = set()  # batch job ids of every worker that ever registered
+        self.job_book = job_book  # (system, JobBook) to watch for jobs that never join
         self._remote = bool(listen or waddrs)  # jobs may leave this process: pickle them
         self._fn_cache = {}
         self._budgets = {RETRY_TEMPORARY: self.max_retries, RETRY_INFRA: self.max_retries,
@@ -2352,7 +2358,8 @@ class GrainExecutor:
 
     async def _serve_worker(self, channel, info):
         w = RemoteWorker(self, info["res"], info["name"], channel, info.get("pid"),
-                         info.get("host"))
+                         info.get("host"), info.get("job_id"))
+        self.joined_job_ids.add(info.get("job_id"))
         self.add_worker(w)
         log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
                  w.total)
@@ -2412,8 +2419,10 @@ class GrainExecutor:
                 "status": ("leaving" if getattr(w, "leaving", None) else
                            "up" if w.accepting else "draining"),
                 "where": "local" if isinstance(w, LocalWorker) else f"pid {w.pid} on {w.host}",
+                "job_id": getattr(w, "job_id", None),
             })
-        return {"workers": workers, "queued": st.queued, "running": st.running,
+        return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
+                "queued": st.queued, "running": st.running,
                 "done": st.done, "failed": st.failed, "retried": st.retried,
                 "retried_by_class": dict(self.retried_by_class),
                 "failed_by_class": dict(self.failed_by_class),
@@ -2437,6 +2446,26 @@ class GrainExecutor:
                 done.append(f"{w.name}: takes no new jobs; leaves after its {w.running} "
                             "running job(s)")
         return {"done": done or [f"no worker matches {pattern!r}"]}
+
+    async def _watch_submitted_jobs(self):
+        """Report loudly, with its log's tail, a batch job that ended without its worker
+        ever joining (instead of leaving the mission waiting in silence)."""
+        system, book = self.job_book
+        reported = set()
+        while True:
+            await trio.sleep(JOB_WATCH_S)
+            records = [r for r in book.records() if r.get("role") == "worker"
+                       and r["id"] not in self.joined_job_ids and r["id"] not in reported]
+            if not records:
+                continue
+            states = await trio.to_thread.run_sync(batch_states, system,
+                                                   [r["id"] for r in records])
+            for r in records:
+                if r["id"] not in states:
+                    reported.add(r["id"])
+                    log.warning("batch job %s (%s) ended without its worker ever joining; "
+                                "the end of its log %s:\n%s", r["id"], r["name"], r["log"],
+                                _log_tail(r["log"]))
 
     async def _say_goodbye(self):
         """FIN to every remote worker, and wait (a little) for it to go out."""
@@ -2495,6 +2524,8 @@ class GrainExecutor:
                 raise
         for url in self.waddrs:
             self._nursery.start_soon(self._dial_passive, url)
+        if self.job_book is not None:
+            self._nursery.start_soon(self._watch_submitted_jobs)
         return self
 
     async def __aexit__(self, etype, exc, tb):
@@ -2655,8 +2686,8 @@ async def _run_mission(mains, local, single, executor_kw):
         return results
 
 
-def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, temporary_err=(),
-                max_retries=MAX_RETRIES):
+def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, config_file=None,
+                temporary_err=(), max_retries=MAX_RETRIES):
     """Run a mission: ``main`` (or a list of mains, run in parallel) with a local worker
     holding ``rpw``, and each passive worker at ``waddrs`` (``tcp://host:port``) given
     ``rpw`` too. The head listens at ``address`` for workers and CLI clients (default: the
@@ -2667,16 +2698,23 @@ def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, temporary_err=(),
     for url in waddrs:
         parse_url(url)
     return trio.run(_run_mission, mains, rpw, not isinstance(main, (list, tuple)),
-                    _mission_options(address, temporary_err, max_retries, waddrs))
+                    _mission_options(address, config_file, temporary_err, max_retries, waddrs))
 
 
-def _mission_options(address, temporary_err, max_retries, waddrs=()):
+def _mission_options(address, config_file, temporary_err, max_retries, waddrs=()):
+    """GrainExecutor arguments for a mission, from run()'s arguments and the config (late
+    binding: the config section is further down)."""
+    cfg = load_config(config_file)
+    head, worker = cfg.role("head"), cfg.role("worker")
     if address is None:
-        address = default_address()
+        address = head.listen
     if address:
         parse_url(address)
+    watch = worker.system in ("slurm", "pbs") and address
     return {"temporary_err": temporary_err, "max_retries": max_retries,
-            "listen": address or None, "waddrs": waddrs, "listen_optional": True}
+            "listen": address or None, "waddrs": waddrs, "listen_optional": True,
+            "key": load_auth_key(head.auth_key or None) if (address or waddrs) else None,
+            "job_book": (worker.system, JobBook(worker.dial)) if watch else None}
 
 
 ###############################################################################
@@ -3012,10 +3050,8 @@ def run(main, local=None, config_file=None, *, rpw=None, address=None, temporary
         local = rpw
     mains = _as_mains(main)
     _default_logging()
-    if config_file is False:
-        log.info("Config file is disabled, using default settings.")
     return trio.run(_run_mission, mains, local, not isinstance(main, (list, tuple)),
-                    _mission_options(address, temporary_err, max_retries))
+                    _mission_options(address, config_file, temporary_err, max_retries))
 
 
 ###############################################################################
@@ -3150,8 +3186,9 @@ async def edge_connect(path, key):
             log.info("waiting for a head to call (recorded in %s)", path)
             return await _accept_first(tcp + [unix], key)
         finally:
-            for listener in tcp + [unix]:
-                await listener.aclose()
+            with trio.CancelScope(shield=True):  # clean up even when the wait was cancelled
+                for listener in tcp + [unix]:
+                    await listener.aclose()
             with contextlib.suppress(OSError):
                 os.unlink(sock_path)
             with contextlib.suppress(OSError):
@@ -3287,23 +3324,52 @@ class WorkerProcess:
                 return
 
 
+def _fit_allocation(provider):
+    """Inside a batch job, count down to the earlier of the configured walltime and the real
+    end of the allocation (less LEAVE_BEFORE_S), so the worker leaves before it is killed."""
+    left = allocation_end()
+    if left is None:
+        return provider
+    left = max(0.0, left - LEAVE_BEFORE_S)
+    parts = dict(provider._parts())
+    wt = parts.get("WTime")
+    if wt is None or wt.T is None or left < wt.remaining():
+        parts["WTime"] = WTime(T=left, countdown=True)
+        log.info("the batch system ends this allocation in %s; leaving %s before",
+                 format_walltime(left + LEAVE_BEFORE_S), format_walltime(LEAVE_BEFORE_S))
+    return ResourceSet._of(parts)
+
+
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
                       key_path=None, max_frame=MAX_FRAME, oversubscribe=False):
     """Run a worker until it leaves. Returns the exit code."""
     key = load_auth_key(key_path)
     context = _load_context(context_file) if context_file else None
-    name = name or _hostname()
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+    name = name or (f"{_hostname()}-{job_id}" if job_id else _hostname())
+    provider = None
     if listen:
         listeners, urls = await open_listeners(listen)
         log.info("worker %s waiting for a head to dial %s", name, ", ".join(urls.values()))
         stream = await _accept_first(listeners, key)
         for listener in listeners:
             await listener.aclose()
-    elif parse_url(url)[0] == "edge":
-        stream = await edge_connect(parse_url(url)[2], key)
     else:
-        stream = await open_stream(url)
-        await authenticate(stream, key, dialer=True)
+        provider = _fit_allocation(worker_provider(res, oversubscribe))
+        wt = _part(provider, "WTime")
+        if wt is not None:
+            wt._start()
+        # A worker in a batch job waits for a head no longer than its walltime: one that
+        # started after its mission ended must not sit on the allocation.
+        with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
+            if parse_url(url)[0] == "edge":
+                stream = await edge_connect(parse_url(url)[2], key)
+            else:
+                stream = await open_stream(url)
+                await authenticate(stream, key, dialer=True)
+        if waiting.cancelled_caught:
+            log.warning("no head came within this worker's walltime; leaving")
+            return 0
     channel = Channel(stream, max_frame, _peer_name(stream))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(channel.run_writer)
@@ -3311,13 +3377,12 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
             first = await channel.receive()
             if not (isinstance(first, tuple) and first[:1] == ("assign",)):
                 raise GrainError(f"the head sent {first!r:.60} instead of an assignment")
-            res = first[1]
-        provider = worker_provider(res, oversubscribe)
-        wt = _part(provider, "WTime")
-        if wt is not None:
-            wt._start()
+            provider = _fit_allocation(worker_provider(first[1], oversubscribe))
+            wt = _part(provider, "WTime")
+            if wt is not None:
+                wt._start()
         channel.send(("register", {"name": name, "res": provider, "pid": os.getpid(),
-                                   "host": _hostname()}))
+                                   "host": _hostname(), "job_id": job_id}))
         log.info("worker %s registered with %r", name, provider)
         if context is not None:
             async with context() as value:
@@ -3395,6 +3460,499 @@ def format_ls(stats):
 
 
 ###############################################################################
+# Config and cluster scripts ##################################################
+###############################################################################
+# grain.toml, parsed into frozen dataclasses: top-level keys may be overridden in
+# [head] or [worker], and [script] key by key in [head.script] or [worker.script];
+# ``Config.role("worker")`` gives the merged view. Job scripts are rendered by a
+# pure function (render_script) from one SYSTEMS table; submit() runs the batch
+# system's command and checks what it says. Every submitted job is recorded in a
+# small JSON file beside the Edge file, so `ls` and `down` find them even after a
+# head crashed.
+
+from dataclasses import dataclass, field, replace  # noqa: E402  (stdlib, used only here)
+
+
+class ConfigError(UsageError):
+    """grain.toml is malformed, or a key has the wrong type or value."""
+
+
+def parse_duration(value, what):
+    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, a number, or ``[d-]hh:mm:ss``."""
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", value)
+        if m:
+            return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        return parse_walltime(value, what)
+    except ValueError:
+        raise ValueError(f"{what}: expected a duration such as 90s, 30m, 2h or hh:mm:ss, "
+                         f"got {value!r}") from None
+
+
+def _want_str(v):
+    if not isinstance(v, str):
+        raise TypeError("a string")
+    return v
+
+
+def _want_positive_int(v):
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise TypeError("a positive whole number")
+    return v
+
+
+def _want_count(v):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TypeError("a whole number >= 0")
+    return v
+
+
+def _want_positive_number(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise TypeError("a positive number (GB)")
+    return v
+
+
+def _want_walltime(v):
+    try:
+        parse_walltime(v)
+    except ValueError:
+        raise TypeError("a walltime [d-]hh:mm:ss") from None
+    return v if isinstance(v, str) else format_walltime(v)
+
+
+def _want_duration(v):
+    try:
+        return parse_duration(v, "duration")
+    except ValueError:
+        raise TypeError("a duration such as 90s, 30m or 2h") from None
+
+
+def _want_str_list(v):
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise TypeError("a list of strings")
+    return tuple(v)
+
+
+def _want_system(v):
+    if v not in SYSTEMS and v != "":
+        raise TypeError(f"one of {', '.join(repr(s) for s in SYSTEMS)} (or \"\" for none)")
+    return v
+
+
+def _want_resources(v):
+    if not isinstance(v, dict):
+        raise TypeError("a table of resources, e.g. { Token = { token = \"gpu\" } }")
+    try:
+        Resource.from_dict(v)
+    except ValueError as e:
+        raise TypeError(f"resources in the dict form ({e})") from None
+    return dict(v)
+
+
+@dataclass(frozen=True)
+class ScriptSettings:
+    """What a job script asks of the batch system, and how it sets up and cleans up."""
+    shebang: str = "#!/bin/bash"
+    queue: str = ""
+    walltime: str = "1:00:00"
+    cores: int = 1
+    memory: float = 1
+    extra_args: tuple = ()
+    setup_cleanup: str = ""
+    python: str = ""  # "" = the interpreter running `up`
+
+
+@dataclass(frozen=True)
+class CustomSystem:
+    submit_cmd: str = ""
+    directive: str = "#$"
+    template: str = ""
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """The merged settings of one role (head or worker)."""
+    role: str
+    system: str = ""
+    address: str = ""
+    auth_key: str = ""
+    contextmod: str = ""
+    name: str = ""
+    log_file: str = ""
+    script: ScriptSettings = field(default_factory=ScriptSettings)
+    custom_system: CustomSystem = field(default_factory=CustomSystem)
+    # [head]
+    main_log_file: str = ""
+    listen: str = ""
+    cmd: str = ""
+    idle_quit: float = 1800.0
+    swarm: int = 0
+    # [worker]
+    dial: str = ""
+    cli_dial: str = ""
+    res: dict = field(default_factory=dict)
+
+
+_COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
+                "contextmod": _want_str}
+_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_str, "walltime": _want_walltime,
+                "cores": _want_positive_int, "memory": _want_positive_number,
+                "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
+_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str}
+_ROLE_KEYS = {
+    "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
+             "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
+             "swarm": _want_count},
+    "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
+               "cli_dial": _want_str, "res": _want_resources},
+}
+_ROLE_DEFAULTS = {
+    "head": {"name": "grain-head", "log_file": "grain-head-{{HHMMSS}}.log"},
+    "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A parsed grain.toml (or the defaults). ``path`` is None for the defaults."""
+    path: str = None
+    raw: dict = field(default_factory=dict)
+
+    def role(self, role):
+        """The settings of ``role`` ("head" or "worker"), every override applied."""
+        top, sect = self.raw, self.raw.get(role, {})
+        values = dict(_ROLE_DEFAULTS[role])
+        for key in _COMMON_KEYS:
+            if key in sect:
+                values[key] = sect[key]
+            elif key in top:
+                values[key] = top[key]
+        values.update({k: v for k, v in sect.items() if k in _ROLE_KEYS[role]})
+        script = {**top.get("script", {}), **sect.get("script", {})}
+        values["script"] = ScriptSettings(**script)
+        values["custom_system"] = CustomSystem(**top.get("custom_system", {}))
+        s = RoleSettings(role=role, **values)
+        address = s.address or default_address()
+        s = replace(s, address=address, listen=s.listen or address, dial=s.dial or address,
+                    cli_dial=s.cli_dial or address)
+        if not s.script.python:
+            s = replace(s, script=replace(s.script, python=sys.executable))
+        return s
+
+
+def _check_table(data, schema, where, path, sub=()):
+    out = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key in sub:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: [{name}] must be a table")
+            continue
+        check = schema.get(key)
+        if check is None:
+            known = sorted(list(schema) + list(sub))
+            raise ConfigError(f"{path}: unknown key {name!r} (known here: {', '.join(known)})")
+        try:
+            out[key] = check(value)
+        except TypeError as e:
+            raise ConfigError(f"{path}: {name}: expected {e}, got {value!r}") from None
+    return out
+
+
+def parse_config(text, path="grain.toml"):
+    """A Config from TOML text; ConfigError names the file, the key (or line and column)
+    and what was expected."""
+    if tomllib is None:
+        raise ConfigError(f"{path}: reading TOML on Python < 3.11 needs tomli "
+                          "(`python -m pip install tomli`, or use grain.pyz)")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    raw = _check_table(data, _COMMON_KEYS, "", path,
+                       sub=("script", "custom_system", "head", "worker"))
+    if "script" in data:
+        raw["script"] = _check_table(data["script"], _SCRIPT_KEYS, "script", path)
+    if "custom_system" in data:
+        raw["custom_system"] = _check_table(data["custom_system"], _CUSTOM_KEYS,
+                                            "custom_system", path)
+    for role in ("head", "worker"):
+        if role in data:
+            sect = _check_table(data[role], {**_COMMON_KEYS, **_ROLE_KEYS[role]}, role, path,
+                                sub=("script",))
+            if "script" in data[role]:
+                sect["script"] = _check_table(data[role]["script"], _SCRIPT_KEYS,
+                                              f"{role}.script", path)
+            raw[role] = sect
+    return Config(path=path, raw=raw)
+
+
+def find_config_path(config_file=None):
+    """``-c PATH``, else $GRAIN_CONFIG, else ./grain.toml; None when none exists."""
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"config file {config_file} does not exist")
+        return os.path.abspath(config_file)
+    env = os.environ.get("GRAIN_CONFIG")
+    if env:
+        if not os.path.isfile(env):
+            raise ConfigError(f"GRAIN_CONFIG={env}: no such file")
+        return os.path.abspath(env)
+    return os.path.abspath("grain.toml") if os.path.isfile("grain.toml") else None
+
+
+def load_config(config_file=None):
+    """The config for ``config_file`` (a path, None to look for one, False for defaults)."""
+    if config_file is False:
+        log.info("Config file is disabled, using default settings.")
+        return Config()
+    path = find_config_path(config_file)
+    if path is None:
+        log.info("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
+        return Config()
+    with open(path, encoding="utf-8") as f:
+        return parse_config(f.read(), path)
+
+
+# -- job scripts ---------------------------------------------------------------
+
+def _pbs_walltime(seconds):
+    s = int(seconds)
+    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+# The batch systems: the directive prefix, the lines it gets, the submit and cancel
+# commands, and how to read a job id out of what the submit command prints.
+SYSTEMS = {
+    "slurm": {
+        "directive": "#SBATCH",
+        "lines": lambda s, name, log: [
+            f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
+            f"--ntasks-per-node={s.cores}", f"--mem={max(1, int(s.memory * 1024))}M",
+            f"--time={format_walltime(parse_walltime(s.walltime))}", f"-o {log}"],
+        "prologue": "",
+        "submit": ["sbatch", "--parsable"],
+        "cancel": ["scancel"],
+        "hint": "is this a Slurm login node?",
+    },
+    "pbs": {
+        "directive": "#PBS",
+        "lines": lambda s, name, log: [
+            f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
+            f"-l nodes=1:ppn={s.cores},walltime={_pbs_walltime(parse_walltime(s.walltime))}",
+            f"-l vmem={max(1, int(s.memory * 1024))}mb", "-j oe", f"-o {log}"],
+        "prologue": "cd \"$PBS_O_WORKDIR\"",
+        "submit": ["qsub"],
+        "cancel": ["qdel"],
+        "hint": "is this a PBS/Torque login node?",
+    },
+    "custom": {"directive": None, "lines": None, "prologue": "", "submit": None,
+               "cancel": None, "hint": "check custom_system.submit_cmd"},
+}
+
+
+def _stamp(text, when):
+    return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when)))
+
+
+def _setup_and_cleanup(text):
+    """(setup lines, cleanup lines in the order they must run)."""
+    setup, cleanup = [], []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("defer "):
+            cleanup.insert(0, stripped[len("defer "):])
+        else:
+            setup.append(stripped)
+    return setup, cleanup
+
+
+def worker_command(s, grain_path=None):
+    """The worker line of a worker job script: the same grain.py under ``script.python``,
+    with cores, memory x 14/15 and walltime minus LEAVE_BEFORE_S as a countdown, merged with
+    ``worker.res``."""
+    walltime = parse_walltime(s.script.walltime)
+    res = {"Cores": {"N": s.script.cores}, "Memory": {"M": round(s.script.memory * 14 / 15, 3)},
+           "WTime": {"T": format_walltime(max(60, walltime - LEAVE_BEFORE_S)),
+                     "countdown": True}}
+    res.update(s.res)
+    argv = [s.script.python, grain_path or self_argv()[1], "worker", "--url", s.dial,
+            "--res", json.dumps(res, separators=(",", ":"))]
+    if s.contextmod:
+        argv += ["--context", os.path.abspath(s.contextmod)]
+    if s.auth_key:
+        argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def render_script(s, main, when=None):
+    """The job script for role settings ``s`` running the shell command ``main``."""
+    when = time.time() if when is None else when
+    name = _stamp(s.name, when)
+    log_file = os.path.abspath(_stamp(s.log_file, when)) if s.log_file else ""
+    setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when))
+    body = []
+    if cleanup:
+        # Deferred lines run in reverse order when the script exits, even when the worker
+        # failed or the batch system sent SIGTERM (turned into a normal exit by the trap).
+        body += ["grain_cleanup() {", *[f"  {c}" for c in cleanup], "}",
+                 "trap grain_cleanup EXIT", "trap 'exit 143' TERM INT"]
+    body += setup + [main]
+    if s.system == "custom":
+        c = s.custom_system
+        if not c.template:
+            raise ConfigError("system = \"custom\" needs custom_system.template")
+        directives = [f"{c.directive} {a}" for a in s.script.extra_args]
+        return _stamp(c.template, when).format(
+            name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
+            walltime=s.script.walltime, log_file=log_file, directives="\n".join(directives),
+            main="\n".join(body))
+    spec = SYSTEMS.get(s.system)
+    if spec is None:
+        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
+                          "\"custom\" in grain.toml")
+    d = spec["directive"]
+    lines = [s.script.shebang]
+    lines += [f"{d} {x}" for x in spec["lines"](s.script, name, log_file)]
+    lines += [f"{d} {x}" for x in s.script.extra_args]
+    if spec["prologue"]:
+        lines.append(spec["prologue"])
+    return "\n".join(lines + body) + "\n"
+
+
+class JobBook:
+    """The jobs grain submitted for one address: JSON lines in a file beside the Edge file
+    (or in ~/.local/share/grain for tcp/unix addresses)."""
+
+    def __init__(self, address):
+        scheme, host, where = parse_url(address)
+        if scheme == "edge":
+            self.path = where + ".jobs"
+        else:
+            tag = hashlib.sha1(address.encode()).hexdigest()[:12]
+            self.path = os.path.join(os.path.dirname(default_key_path()), f"jobs-{tag}")
+
+    def records(self):
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+        except ValueError as e:
+            log.warning("job records %s are corrupt (%s); ignoring them", self.path, e)
+            return []
+
+    def add(self, record):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def replace_all(self, records):
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
+
+
+def _run_command(argv, what, hint, stdin=None):
+    try:
+        cp = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise GrainError(f"{argv[0]}: command not found — {hint} set system = ... in "
+                         "grain.toml") from None
+    if cp.returncode != 0:
+        msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
+        raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
+    return cp.stdout
+
+
+def submit(s, script, extra_args=(), role="worker", when=None):
+    """Submit ``script`` to the batch system of role settings ``s``; returns the job id and
+    records it."""
+    when = time.time() if when is None else when
+    scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
+    os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+                                     f"-{os.urandom(3).hex()}.sh")
+    atomic_write(path, script.encode(), mode=0o700)
+    if s.system == "custom":
+        if not s.custom_system.submit_cmd:
+            raise ConfigError("system = \"custom\" needs custom_system.submit_cmd")
+        argv = shlex.split(s.custom_system.submit_cmd)
+    elif s.system in SYSTEMS:
+        argv = list(SYSTEMS[s.system]["submit"])
+    else:
+        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
+                          "\"custom\" in grain.toml")
+    out = _run_command(argv + list(extra_args) + [path], "submission",
+                       SYSTEMS[s.system]["hint"])
+    job_id = (out.strip().split() or ["?"])[-1].split(";")[0]
+    JobBook(s.dial if role == "worker" else s.listen).add({
+        "id": job_id, "system": s.system, "role": role, "name": _stamp(s.name, when),
+        "log": os.path.abspath(_stamp(s.log_file, when)) if s.log_file else "",
+        "script": path, "submitted": when})
+    return job_id
+
+
+def batch_states(system, ids):
+    """``{job id: state}`` for the jobs the batch system still knows (others have ended)."""
+    if not ids:
+        return {}
+    try:
+        if system == "slurm":
+            cp = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
+                                capture_output=True, text=True, timeout=30)
+            return dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
+        if system == "pbs":
+            out = {}
+            for i in ids:
+                cp = subprocess.run(["qstat", "-f", i], capture_output=True, text=True,
+                                    timeout=30)
+                m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
+                if cp.returncode == 0 and m and m.group(1) not in ("C", "F"):
+                    out[i] = {"Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(m.group(1),
+                                                                                m.group(1))
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {i: "UNKNOWN" for i in ids}
+
+
+def _log_tail(path, n=10):
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()[-n:]
+    except OSError:
+        return f"(no log file at {path or 'an unknown place'})"
+    return "\n".join("    " + line for line in lines) or "    (the log is empty)"
+
+
+def allocation_end():
+    """Seconds left in this batch job's allocation, asked of the batch system; None outside
+    a batch job or when it cannot tell."""
+    try:
+        if os.environ.get("SLURM_JOB_ID"):
+            cp = subprocess.run(["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"],
+                                capture_output=True, text=True, timeout=20)
+            end = cp.stdout.strip()
+            if cp.returncode == 0 and re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", end):
+                return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - time.time()
+        elif os.environ.get("PBS_JOBID"):
+            cp = subprocess.run(["qstat", "-f", os.environ["PBS_JOBID"]], capture_output=True,
+                                text=True, timeout=20)
+            m = re.search(r"Walltime\.Remaining\s*=\s*(\d+)", cp.stdout)
+            if m:
+                return float(m.group(1))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return None
+
+
+###############################################################################
 # CLI #########################################################################
 ###############################################################################
 # ``python grain.py COMMAND``. build_parser() describes the commands; main(argv) runs
@@ -3407,7 +3965,6 @@ def _versions():
 
 
 def build_parser():
-    import argparse
 
     parser = argparse.ArgumentParser(
         prog="grain.py",
@@ -3436,16 +3993,39 @@ def build_parser():
     p.add_argument("--name", help="the worker's name (default: the hostname)")
     common(p)
 
-    p = sub.add_parser("ls", help="show the head's workers and queue")
-    p.add_argument("-a", "--address", help="the head's address (default: the Edge file)")
+    def config(p):
+        p.add_argument("-c", "--config", metavar="FILE",
+                       help="the config (default: $GRAIN_CONFIG, else ./grain.toml)")
+
+    p = sub.add_parser("ls", help="show the head's workers, queue and submitted jobs")
+    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
+    config(p)
     common(p)
 
     p = sub.add_parser("quit", help="make workers leave (after their jobs, or now with -f)")
     p.add_argument("pattern", help="a glob over worker names, e.g. 'node1*'")
     p.add_argument("-f", "--force", action="store_true",
                    help="leave now; their running jobs are re-queued")
-    p.add_argument("-a", "--address", help="the head's address (default: the Edge file)")
+    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
+    config(p)
     common(p)
+
+    p = sub.add_parser("up", help="submit worker jobs to the batch system")
+    config(p)
+    p.add_argument("-n", type=int, default=1, metavar="N", help="how many (default 1)")
+    p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: arguments for sbatch/qsub")
+
+    p = sub.add_parser("down", help="cancel every worker or head job grain submitted")
+    config(p)
+
+    p = sub.add_parser("start", help="submit the head job (head.cmd), or run it --local")
+    config(p)
+    p.add_argument("--local", action="store_true", help="run head.cmd here instead")
+    p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: arguments for sbatch/qsub")
     return parser
 
 
@@ -3471,19 +4051,115 @@ def _cmd_worker(args):
                                       key_path=args.key, oversubscribe=args.oversubscribe))
 
 
+def _cli_target(args):
+    """(worker settings, address, key) for ls/quit."""
+    s = load_config(args.config).role("worker")
+    return s, args.address or s.cli_dial, load_auth_key(args.key or s.auth_key or None)
+
+
+def format_jobs(book, system, joined):
+    """Lines about submitted batch jobs whose worker has not joined (yet)."""
+    records = [r for r in book.records() if r.get("role") == "worker" and r["id"] not in joined]
+    if not records:
+        return []
+    states = batch_states(system or records[0].get("system"), [r["id"] for r in records])
+    lines = ["", "submitted, not joined:"]
+    for r in records:
+        state = states.get(r["id"])
+        if state:
+            lines.append(f"  job {r['id']} ({r['name']}): {state}")
+        else:
+            lines.append(f"  job {r['id']} ({r['name']}): ENDED WITHOUT ITS WORKER EVER "
+                         f"JOINING; the end of its log {r['log']}:")
+            lines.append(_log_tail(r["log"]))
+    return lines
+
+
 def _cmd_ls(args):
-    address = args.address or default_address()
-    stats = trio.run(cli_request, address, load_auth_key(args.key), "stats")
+    s, address, key = _cli_target(args)
+    stats = trio.run(cli_request, address, key, "stats")
+    jobs = format_jobs(JobBook(address), s.system, set(stats["joined_job_ids"]) if stats
+                       else set())
     if stats is None:
+        if jobs:
+            print("\n".join(jobs[1:]))
         raise GrainError(f"no head is listening at {address}")
-    print(format_ls(stats))
+    print("\n".join([format_ls(stats)] + jobs))
+    return 0
+
+
+def _extra(args):
+    extra = list(args.extra)
+    return extra[1:] if extra[:1] == ["--"] else extra
+
+
+def _cmd_up(args):
+    s = load_config(args.config).role("worker")
+    if args.n < 1:
+        raise UsageError(f"-n must be at least 1, got {args.n}")
+    for i in range(args.n):
+        if i:
+            time.sleep(1)  # a second apart: {{HHMMSS}} names stay distinct
+        when = time.time()
+        script = render_script(s, worker_command(s), when)
+        if args.dry:
+            print(script, end="")
+            return 0
+        job_id = submit(s, script, _extra(args), "worker", when)
+        print(f"submitted worker job {job_id} ({_stamp(s.name, when)}); log: "
+              f"{os.path.abspath(_stamp(s.log_file, when))}")
+    return 0
+
+
+def _cmd_start(args):
+    s = load_config(args.config).role("head")
+    if not s.cmd:
+        raise ConfigError("set head.cmd in grain.toml: the command the head job runs, e.g. "
+                          "\"python mission.py\"")
+    if args.local:
+        return subprocess.call(s.cmd, shell=True)
+    when = time.time()
+    script = render_script(s, s.cmd, when)
+    if args.dry:
+        print(script, end="")
+        return 0
+    job_id = submit(s, script, _extra(args), "head", when)
+    print(f"submitted head job {job_id} ({_stamp(s.name, when)})")
+    return 0
+
+
+def _cmd_down(args):
+    cfg = load_config(args.config)
+    books = {JobBook(cfg.role("worker").dial).path: JobBook(cfg.role("worker").dial),
+             JobBook(cfg.role("head").listen).path: JobBook(cfg.role("head").listen)}
+    cancelled = 0
+    for book in books.values():
+        records = book.records()
+        keep = []
+        for r in records:
+            system = r.get("system")
+            cancel = SYSTEMS.get(system, {}).get("cancel")
+            if not cancel:
+                print(f"job {r['id']} ({r['name']}): no cancel command for system "
+                      f"{system!r}; cancel it yourself")
+                keep.append(r)
+                continue
+            cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True)
+            if cp.returncode == 0:
+                print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
+                cancelled += 1
+            else:
+                print(f"job {r['id']} ({r['name']}): {' '.join(cancel)} said: "
+                      f"{(cp.stderr or cp.stdout).strip() or 'nothing'} (already ended?)")
+        book.replace_all(keep) if records else None
+    if not cancelled:
+        print("no job to cancel")
     return 0
 
 
 def _cmd_quit(args):
-    address = args.address or default_address()
-    reply = trio.run(cli_request, address, load_auth_key(args.key), "quit", args.pattern,
-                     args.force)
+    s, address, key = _cli_target(args)
+    reply = trio.run(cli_request, address, key, "quit", args.pattern, args.force)
     if reply is None:
         raise GrainError(f"no head is listening at {address}")
     for line in reply["done"]:
@@ -3491,7 +4167,8 @@ def _cmd_quit(args):
     return 0
 
 
-_COMMANDS = {"worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit}
+_COMMANDS = {"worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit, "up": _cmd_up,
+             "down": _cmd_down, "start": _cmd_start}
 
 
 def main(argv=None):
