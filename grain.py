@@ -3635,10 +3635,14 @@ class Config:
         script = {**top.get("script", {}), **sect.get("script", {})}
         values["script"] = ScriptSettings(**script)
         values["custom_system"] = CustomSystem(**top.get("custom_system", {}))
+        for key in ("address", "auth_key", "contextmod", "listen", "dial", "cli_dial",
+                    "log_file", "main_log_file"):
+            if isinstance(values.get(key), str):  # "$HOME/..." and "~/..." mean what they say
+                values[key] = os.path.expanduser(os.path.expandvars(values[key]))
         s = RoleSettings(role=role, **values)
         address = s.address or default_address()
         s = replace(s, address=address, listen=s.listen or address, dial=s.dial or address,
-                    cli_dial=s.cli_dial or address)
+                    cli_dial=s.cli_dial or address, auth_key=s.auth_key or default_key_path())
         if not s.script.python:
             s = replace(s, script=replace(s.script, python=sys.executable))
         return s

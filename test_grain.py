@@ -1424,3 +1424,295 @@ async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
         assert job.state == "queued" and exer.retried_by_class == {"worker lost": 1}
         exer.add_worker(grain.LocalWorker(exer, Cores(1), "rescue", exer._nursery))
         assert (await job)[3] == "rescue"
+
+
+###############################################################################
+# On the cluster: config, job scripts, and a real Slurm
+###############################################################################
+
+import json as _json  # noqa: E402
+import shutil  # noqa: E402
+
+EXAMPLE_TOML = textwrap.dedent("""
+    system = "slurm"
+    address = "edge:///shared/edge"
+    [script]
+    queue = "debug"
+    walltime = "1-00:00:00"
+    cores = 16
+    memory = 30
+    extra_args = ["--account=chem"]
+    setup_cleanup = '''
+    module load vasp
+    mkdir -p /scratch/{{HHMMSS}}
+    defer rm -r /scratch/{{HHMMSS}}
+    defer echo first-deferred-runs-last
+    '''
+    [head]
+    address = "tcp://login1:7777"
+    [head.script]
+    cores = 1
+    [worker]
+    res = { Token = { token = "gpu" } }
+    log_file = "logs/w-{{HHMMSS}}.log"
+""")
+
+
+def test_config_overrides_and_defaults(tmp_path):
+    cfg = grain.parse_config(EXAMPLE_TOML, "x.toml")
+    w, h = cfg.role("worker"), cfg.role("head")
+    assert w.system == h.system == "slurm"
+    assert w.address == w.dial == w.cli_dial == "edge:///shared/edge"
+    assert h.address == h.listen == "tcp://login1:7777"     # [head] overrides the top level
+    assert w.script.cores == 16 and h.script.cores == 1     # [head.script] overrides [script]
+    assert h.script.queue == "debug" and w.script.python == sys.executable
+    assert w.res == {"Token": {"token": "gpu"}} and h.idle_quit == 1800
+    d = grain.Config().role("worker")
+    assert d.system == "" and d.dial == grain.default_address() and d.script.cores == 1
+    assert grain.parse_config('[head]\nidle_quit = "90s"\nswarm = 3', "y").role(
+        "head").idle_quit == 90
+    # The reference config is valid as it stands, and means the defaults.
+    with open(os.path.join(HERE, "grain.toml.example")) as f:
+        ref = grain.parse_config(f.read(), "grain.toml.example")
+    for role in ("head", "worker"):
+        assert ref.role(role) == grain.Config().role(role)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("sytem = 'slurm'", "x.toml: unknown key 'sytem'"),
+    ("[worker.script]\ncorse = 2", "x.toml: unknown key 'worker.script.corse'"),
+    ("[script]\ncores = 'four'", "x.toml: script.cores: expected a positive whole number, "
+                                 "got 'four'"),
+    ("[script]\nmemory = -3", "x.toml: script.memory: expected a positive number"),
+    ("[script]\nwalltime = '25:61:00'", "x.toml: script.walltime: expected a walltime"),
+    ("system = 'lsf'", "x.toml: system: expected one of 'slurm', 'pbs', 'custom'"),
+    ("[head]\nidle_quit = 'soon'", "x.toml: head.idle_quit: expected a duration"),
+    ("[worker]\nres = { GPU = { N = 1 } }", "x.toml: worker.res: expected resources"),
+    ("system = slurm", "x.toml: malformed TOML: Invalid value (at line 1, column 10)"),
+    ("script = 3", "x.toml: [script] must be a table"),
+])
+def test_config_errors_name_the_file_and_key(text, message):
+    with pytest.raises(grain.ConfigError) as info:
+        grain.parse_config(text, "x.toml")
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "grain.toml"
+    bad.write_text("[worker]\nnmae = 'x'\n")
+    for args in (["up", "--dry"], ["ls"], ["down"]):
+        cp = run_py(GRAIN, *args, "-c", str(bad))
+        assert cp.returncode == 2
+        assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
+                                    "(known here: address, auth_key, cli_dial, contextmod, " \
+                                    "dial, log_file, name, res, script, system)"
+    cp = run_py(GRAIN, "up", "-c", str(tmp_path / "none.toml"))
+    assert cp.returncode == 2 and "does not exist" in cp.stderr
+    env = dict(os.environ, GRAIN_CONFIG=str(bad))
+    cp = run_py(GRAIN, "up", "--dry", env=env)
+    assert cp.returncode == 2 and "worker.nmae" in cp.stderr
+
+
+def test_render_slurm_script():
+    w = grain.parse_config(EXAMPLE_TOML, "x.toml").role("worker")
+    when = time.mktime((2026, 11, 22, 13, 14, 15, 0, 0, -1))
+    script = grain.render_script(w, grain.worker_command(w, "/opt/grain.py"), when)
+    lines = script.splitlines()
+    assert lines[:9] == [
+        "#!/bin/bash", "#SBATCH -J grain-worker", "#SBATCH -p debug", "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=16", "#SBATCH --mem=30720M", "#SBATCH --time=1-00:00:00",
+        f"#SBATCH -o {os.path.abspath('logs/w-131415.log')}", "#SBATCH --account=chem"]
+    body = "\n".join(lines[9:])
+    assert body.index("echo first-deferred-runs-last") < body.index("rm -r /scratch/131415")
+    assert body.index("trap grain_cleanup EXIT") < body.index("module load vasp") < \
+        body.index("mkdir -p /scratch/131415") < body.index("grain.py worker")
+    cmd = lines[-1].split()
+    assert cmd[:5] == [sys.executable, "/opt/grain.py", "worker", "--url",
+                       "edge:///shared/edge"]
+    res = _json.loads(cmd[cmd.index("--res") + 1].strip("'"))
+    assert res == {"Cores": {"N": 16}, "Memory": {"M": 28.0},
+                   "WTime": {"T": "23:57:00", "countdown": True},
+                   "Token": {"token": "gpu"}}
+
+
+def test_render_pbs_and_custom_scripts():
+    w = grain.parse_config(EXAMPLE_TOML.replace('system = "slurm"', 'system = "pbs"'),
+                           "x.toml").role("worker")
+    s = grain.render_script(w, "MAIN", 0)
+    assert "#PBS -N grain-worker\n#PBS -q debug\n#PBS -l nodes=1:ppn=16,walltime=24:00:00\n" \
+           "#PBS -l vmem=30720mb\n#PBS -j oe\n#PBS -o " in s
+    assert '#PBS --account=chem\ncd "$PBS_O_WORKDIR"\n' in s and s.endswith("MAIN\n")
+    custom = grain.parse_config(textwrap.dedent("""
+        system = "custom"
+        [custom_system]
+        submit_cmd = "qsub -terse"
+        directive = "#$"
+        template = '''#!/bin/sh
+        #$ -N {name} -pe smp {cores} -l h_rt={walltime} -o {log_file}
+        {directives}
+        {main}
+        '''
+        [script]
+        extra_args = ["-V"]
+    """), "x.toml").role("worker")
+    s = grain.render_script(custom, "MAIN", 0)
+    assert "#$ -N grain-worker -pe smp 1 -l h_rt=1:00:00 -o /" in s and "#$ -V\nMAIN" in s
+
+
+def test_submit_without_a_batch_system(tmp_path):
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text('system = "slurm"\n')
+    env = dict(os.environ, PATH="/nonexistent")
+    cp = subprocess.run([sys.executable, GRAIN, "up", "-c", str(cfg)], capture_output=True,
+                        text=True, env=env, cwd=tmp_path)
+    assert cp.returncode == 1
+    assert cp.stderr.strip().splitlines()[-1] == (
+        "grain.py up: sbatch: command not found — is this a Slurm login node? set system = "
+        "... in grain.toml")
+    cfg.write_text("")
+    cp = run_py(GRAIN, "up", "-c", str(cfg))
+    assert cp.returncode == 2 and "no batch system configured" in cp.stderr
+
+
+needs_slurm = pytest.mark.skipif(shutil.which("sbatch") is None,
+                                 reason="needs a Slurm (CI installs one: .ci/slurm-up.sh)")
+
+SLURM_MISSION = textwrap.dedent("""
+    import json, os, sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+    from grain import GVAR
+
+    @delayed
+    async def job(i):
+        await trio.sleep(2)
+        return GVAR.instance, os.environ.get("SLURM_JOB_ID"), os.getpid()
+
+    async def main():
+        print(json.dumps(await each((job @ Cores(1))(i) for i in range(6))), flush=True)
+
+    run(main, config_file={config!r})
+""")
+
+
+def slurm_config(tmp_path, system="slurm", **script):
+    lines = [f'system = "{system}"', f'address = "edge://{tmp_path}/edge"', "[script]",
+             'walltime = "0:10:00"', "memory = 1",
+             f'setup_cleanup = "defer touch {tmp_path}/cleaned-$SLURM_JOB_ID"']
+    lines += [f"{k} = {_json.dumps(v)}" for k, v in script.items()]
+    path = tmp_path / "grain.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def grain_cli(*args, cwd):
+    return subprocess.run([sys.executable, GRAIN, *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def squeue_ids():
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def slurm_cleanup():
+    before = squeue_ids() if shutil.which("squeue") else set()
+    yield
+    if shutil.which("scancel"):
+        for job in squeue_ids() - before:
+            subprocess.run(["scancel", job])
+
+
+@needs_slurm
+@pytest.mark.parametrize("system", ["slurm", "pbs"])
+def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
+    # Slurm's torque wrapper ignores PBS's vmem and would give each job the whole node's
+    # memory; a mem request through extra_args lets both run at once.
+    extra = {"extra_args": ["-l mem=1gb"]} if system == "pbs" else {}
+    cfg = slurm_config(tmp_path, system, **extra)
+    mission = tmp_path / "mission.py"
+    mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
+                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
+        up = grain_cli("up", "-c", str(cfg), "-n", "2", cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        ids = re.findall(r"submitted worker job (\S+) ", up.stdout)
+        assert len(ids) == 2
+        seen = {}
+
+        def both_listed():
+            ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+            seen["ls"] = ls.stdout
+            return all(re.search(rf"^\S+-{i}\s", ls.stdout, re.M) for i in ids)
+
+        wait_for(both_listed, 90, "both workers in `ls`")
+        assert "2 worker(s)" in seen["ls"]
+        out, err = head.communicate(timeout=120)
+        assert head.returncode == 0, err
+        results = _json.loads(out.strip().splitlines()[-1])
+        assert len(results) == 6 and {r[1] for r in results} <= set(ids)
+        assert all(r[2] != head.pid for r in results)
+        # After the mission: no allocation lingers, and the deferred cleanup ran in both.
+        wait_for(lambda: not (squeue_ids() & set(ids)), 60, "the jobs to leave squeue")
+        if system == "slurm":
+            wait_for(lambda: all((tmp_path / f"cleaned-{i}").exists() for i in ids), 10,
+                     "the defer cleanup")
+        else:  # the torque wrapper names jobs by Slurm's id too
+            wait_for(lambda: len(list(tmp_path.glob("cleaned-*"))) == 2, 10, "the cleanup")
+    finally:
+        head.kill()
+        head.wait()
+
+
+@needs_slurm
+def test_a_worker_that_never_starts_is_reported_and_down_cancels(tmp_path, slurm_cleanup):
+    cfg = slurm_config(tmp_path, python="/nonexistent/python3")
+    up = grain_cli("up", "-c", str(cfg), cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    (job,) = re.findall(r"submitted worker job (\S+) ", up.stdout)
+    wait_for(lambda: job not in squeue_ids(), 60, "the broken job to end")
+    ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+    assert ls.returncode == 1 and "no head is listening" in ls.stderr
+    assert f"job {job} (grain-worker): ENDED WITHOUT ITS WORKER EVER JOINING" in ls.stdout
+    assert "/nonexistent/python3" in ls.stdout    # the tail of its log says why
+    # A pending job (held back an hour) is cancelled by `down`.
+    cfg = slurm_config(tmp_path)
+    up = grain_cli("up", "-c", str(cfg), "--", "--begin=now+1hour", cwd=tmp_path)
+    (pending,) = re.findall(r"submitted worker job (\S+) ", up.stdout)
+    assert pending in squeue_ids()
+    down = grain_cli("down", "-c", str(cfg), cwd=tmp_path)
+    assert f"cancelled worker job {pending} (grain-worker)" in down.stdout
+    wait_for(lambda: pending not in squeue_ids(), 30, "the cancelled job to leave")
+
+
+@needs_slurm
+def test_the_mission_head_reports_a_job_that_never_joins(tmp_path, slurm_cleanup):
+    cfg = slurm_config(tmp_path, python="/nonexistent/python3")
+    mission = tmp_path / "mission.py"
+    mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)).replace(
+        "from grain import GVAR", "from grain import GVAR\nimport grain\ngrain.JOB_WATCH_S = 1"))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "edge").exists(), 30, "the head")
+        up = grain_cli("up", "-c", str(cfg), cwd=tmp_path)
+        (job,) = re.findall(r"submitted worker job (\S+) ", up.stdout)
+        wait_for(lambda: job not in squeue_ids(), 60, "the broken job to end")
+        time.sleep(3)
+    finally:
+        head.kill()
+        err = head.communicate()[1]
+    assert f"batch job {job} (grain-worker) ended without its worker ever joining" in err
+    assert "/nonexistent/python3" in err
