@@ -1716,3 +1716,28 @@ def test_the_mission_head_reports_a_job_that_never_joins(tmp_path, slurm_cleanup
         err = head.communicate()[1]
     assert f"batch job {job} (grain-worker) ended without its worker ever joining" in err
     assert "/nonexistent/python3" in err
+
+
+def test_start_runs_head_cmd_locally_or_renders_its_job(tmp_path):
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text('system = "slurm"\n[head]\ncmd = "echo head-ran > started.txt"\n'
+                   '[head.script]\nwalltime = "2:00:00"\n')
+    cp = grain_cli("start", "-c", str(cfg), "--dry", cwd=tmp_path)
+    assert cp.returncode == 0 and "#SBATCH -J grain-head" in cp.stdout
+    assert "#SBATCH --time=2:00:00" in cp.stdout
+    assert cp.stdout.rstrip().endswith("echo head-ran > started.txt")
+    cp = grain_cli("start", "-c", str(cfg), "--local", cwd=tmp_path)
+    assert cp.returncode == 0 and (tmp_path / "started.txt").read_text() == "head-ran\n"
+    cfg.write_text('system = "slurm"\n')
+    cp = grain_cli("start", "-c", str(cfg), cwd=tmp_path)
+    assert cp.returncode == 2 and "set head.cmd" in cp.stderr
+
+
+@needs_slurm
+def test_a_rejected_submission_shows_the_schedulers_message(tmp_path, slurm_cleanup):
+    cfg = slurm_config(tmp_path)
+    cp = grain_cli("up", "-c", str(cfg), "--", "--partition=nosuchpartition", cwd=tmp_path)
+    assert cp.returncode == 1
+    last = cp.stderr.strip().splitlines()[-1]
+    assert last.startswith("grain.py up: submission failed (sbatch exit 1): ")
+    assert "invalid partition" in last.lower()
