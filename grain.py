@@ -267,7 +267,10 @@ def self_argv(*args):
     archive = os.path.dirname(path)
     if os.path.isfile(archive):
         path = archive
-    return [sys.executable, path, *args]
+    # Children keep an isolated (-I) or site-less (-S) parent's view of the world: a
+    # bundle run that way must not pick up other copies of trio in a child.
+    flags = (["-I"] if sys.flags.isolated else []) + (["-S"] if sys.flags.no_site else [])
+    return [sys.executable, *flags, path, *args]
 
 
 @contextlib.asynccontextmanager
@@ -3233,7 +3236,8 @@ class WorkerProcess:
                 log.warning("%s", e)
                 msg = None
             if msg is None:
-                log.warning("lost the head (connection closed); leaving")
+                if self.leave_after_jobs is None:  # a FIN, then EOF, is a normal goodbye
+                    log.warning("lost the head (connection closed); leaving")
                 self.done.set()
                 return
             handlers[msg[0]](*msg[1:])
@@ -3296,6 +3300,7 @@ class WorkerProcess:
         self.done.set()
 
     def on_fin(self):
+        log.info("the mission ended; leaving after %d running job(s)", len(self.running))
         self.leave_after_jobs = "the mission ended"
         if not self.running:
             self.done.set()
@@ -3957,6 +3962,232 @@ def allocation_end():
 
 
 ###############################################################################
+# Pack ########################################################################
+###############################################################################
+# ``python grain.py pack``: one self-contained zipapp (grain.py, trio and everything
+# it imports, dill, and tomli below 3.11) for clusters with no pip. Wheels come from
+# --wheels DIR, else `pip download` for the target Python, else this interpreter's
+# installed copies when their versions support the target. Entries are sorted and
+# stamped 1980-01-01, so the same inputs give the same bytes. The bundle is run
+# under the target Python (isolated, no site) before it replaces the output.
+
+PACK_PACKAGES = ["trio", "attrs", "sortedcontainers", "idna", "outcome", "sniffio", "dill"]
+PACK_PACKAGES_BELOW_311 = ["exceptiongroup", "typing_extensions", "tomli"]
+PACK_EPOCH = (1980, 1, 1, 0, 0, 0)
+PACK_MAIN = b"import sys\nimport grain\nsys.exit(grain.main(sys.argv[1:]))\n"
+
+
+def _norm(name):
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _version_key(version):
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def python_supports(requires, target):
+    """Does a Requires-Python specifier (e.g. ">=3.8, !=3.9.*") admit Python ``target``
+    (a (major, minor) tuple)? Enough of PEP 440 for the packages we bundle."""
+    for clause in (requires or "").split(","):
+        m = re.match(r"^\s*(~=|==|!=|<=|>=|<|>)\s*([\d.]+)(\.\*)?\s*$", clause)
+        if not m:
+            continue
+        op, ver, star = m.groups()
+        want = _version_key(ver)
+        have = target + (0,) * max(0, len(want) - 2) if not star else target[:len(want)]
+        ok = {">=": have >= want, ">": have > want, "<=": have <= want, "<": have < want,
+              "==": have == want, "!=": have != want,
+              "~=": have >= want and have[:len(want) - 1] == want[:len(want) - 1]}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _bundle_file(path):
+    """Should a package file go into the bundle? Code and data yes; tests, caches, type
+    stubs and metadata no."""
+    parts = path.split("/")
+    if any(p.endswith((".dist-info", ".data")) or p in ("__pycache__", "_tests", "tests")
+           for p in parts):
+        return False
+    return not path.endswith((".pyc", ".pyi", "py.typed")) and bool(parts[0])
+
+
+def _wheel_contents(path):
+    """(name, version, requires_python, {path: bytes}) of a pure-Python wheel."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        meta_name = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta_name is None:
+            raise GrainError(f"{path}: not a wheel (no METADATA)")
+        meta = z.read(meta_name).decode("utf-8", "replace")
+        fields = dict(re.findall(r"^(Name|Version|Requires-Python):[ \t]*([^\r\n]+)", meta, re.M))
+        files = {n: z.read(n) for n in z.namelist() if not n.endswith("/") and _bundle_file(n)}
+    return fields.get("Name", ""), fields.get("Version", ""), fields.get("Requires-Python"), files
+
+
+def _from_wheels(directory, names, target):
+    """Pick, for each package, the newest wheel in ``directory`` that supports ``target``."""
+    found = {}
+    for fn in sorted(os.listdir(directory)):
+        if fn.endswith(".whl"):
+            name, version, requires, files = _wheel_contents(os.path.join(directory, fn))
+            if not python_supports(requires, target):
+                continue
+            old = found.get(_norm(name))
+            if old is None or _version_key(version) > _version_key(old[0]):
+                found[_norm(name)] = (version, files)
+    out = {}
+    for name in names:
+        if _norm(name) not in found:
+            raise GrainError(f"no wheel of {name} supporting Python "
+                             f"{target[0]}.{target[1]} in {directory}"
+                             + (" (trio 0.31 is the newest for Python 3.9)"
+                                if name == "trio" and target < (3, 10) else ""))
+        out[name] = found[_norm(name)]
+    return out
+
+
+def _from_installed(names, target):
+    """This interpreter's installed copies, if their versions support ``target``."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in names:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            raise GrainError(f"{name} is not installed here and no wheel was given "
+                             "(use --wheels DIR, or a machine that reaches a package index)"
+                             ) from None
+        requires = dist.metadata.get("Requires-Python")
+        if not python_supports(requires, target):
+            raise GrainError(f"the installed {name} {dist.version} needs Python "
+                             f"{requires}, not {target[0]}.{target[1]}; give --wheels DIR "
+                             f"with a {name} for {target[0]}.{target[1]}")
+        files = {}
+        for f in dist.files or ():
+            rel = str(f).replace(os.sep, "/")
+            if _bundle_file(rel) and not rel.startswith(".."):
+                files[rel] = f.read_binary() if hasattr(f, "read_binary") else \
+                    open(dist.locate_file(f), "rb").read()
+        out[name] = (dist.version, files)
+    return out
+
+
+def _pip_download(names, target, dest):
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+           "--python-version", f"{target[0]}.{target[1]}", "--no-deps", "-d", dest, *names]
+    try:
+        cp = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"pip could not run ({e})"
+    return None if cp.returncode == 0 else (cp.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def _find_python(target):
+    """An interpreter of version ``target`` to test a bundle with: this one, one of pyenv's,
+    or pythonX.Y on PATH (pyenv's shims only pretend to be one)."""
+    if sys.version_info[:2] == target:
+        return sys.executable
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    versions = os.path.join(root, "versions")
+    if os.path.isdir(versions):
+        for v in sorted(os.listdir(versions), key=_version_key, reverse=True):
+            candidate = os.path.join(versions, v, "bin", "python")
+            if _version_key(v)[:2] == target and os.path.exists(candidate):
+                return candidate
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = os.path.join(d, f"python{target[0]}.{target[1]}")
+        if "shims" not in d.split(os.sep) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _own_source():
+    """The text of this module, whether it runs from grain.py or from inside a bundle."""
+    loader = globals().get("__loader__")
+    if loader is not None and hasattr(loader, "get_data"):
+        return loader.get_data(__file__)
+    with open(__file__, "rb") as f:
+        return f.read()
+
+
+def build_bundle(packages, out):
+    """Write the zipapp: a shebang, then sorted, timestamp-free entries."""
+    import zipfile
+
+    entries = {"__main__.py": PACK_MAIN, "grain.py": _own_source()}
+    for _, (_, files) in sorted(packages.items()):
+        entries.update(files)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"#!/usr/bin/env python3\n")
+        with zipfile.ZipFile(f, "w") as z:
+            for name in sorted(entries):
+                info = zipfile.ZipInfo(name, PACK_EPOCH)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                info.external_attr = 0o644 << 16
+                info.create_system = 3
+                z.writestr(info, entries[name], compresslevel=9)
+    os.chmod(tmp, 0o755)
+    return tmp
+
+
+def pack(out="grain.pyz", python=None, wheels=None, say=print):
+    """Build the bundle for Python ``python`` ("X.Y"; default: this one). Returns its path."""
+    if python:
+        m = re.match(r"^(\d+)\.(\d+)$", python)
+        if not m:
+            raise UsageError(f"--python takes X.Y, e.g. 3.9, got {python!r}")
+        target = (int(m.group(1)), int(m.group(2)))
+    else:
+        target = sys.version_info[:2]
+    if target < (3, 9):
+        raise UsageError(f"grain.py needs Python 3.9 or newer, not {target[0]}.{target[1]}")
+    names = PACK_PACKAGES + (PACK_PACKAGES_BELOW_311 if target < (3, 11) else [])
+    if wheels:
+        if not os.path.isdir(wheels):
+            raise UsageError(f"--wheels {wheels}: no such directory")
+        packages = _from_wheels(wheels, names, target)
+        say(f"pack: using the wheels in {wheels}")
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            # pip evaluates markers for this interpreter, not the target: name every
+            # package ourselves (--no-deps) rather than trust its dependency resolution.
+            why = _pip_download(names, target, d)
+            if why is None:
+                packages = _from_wheels(d, names, target)
+                say(f"pack: downloaded wheels for Python {target[0]}.{target[1]} with pip")
+            else:
+                say(f"pack: pip download failed ({why}); using this interpreter's "
+                    "installed copies")
+                packages = _from_installed(names, target)
+    say("pack: " + ", ".join(f"{n} {v}" for n, (v, _) in packages.items()))
+    tmp = build_bundle(packages, out)
+    interpreter = _find_python(target)
+    try:
+        if interpreter is None:
+            say(f"pack: no Python {target[0]}.{target[1]} here to test the bundle with")
+        else:
+            cp = subprocess.run([interpreter, "-I", "-S", tmp, "--version"],
+                                capture_output=True, text=True, timeout=120)
+            if cp.returncode != 0:
+                raise GrainError(f"the bundle fails under {interpreter}: "
+                                 f"{(cp.stderr.strip().splitlines() or ['?'])[-1]}")
+            say(f"pack: tested with {interpreter} -I -S: {cp.stdout.strip()}")
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    say(f"pack: wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB)")
+    return out
+
+
+###############################################################################
 # CLI #########################################################################
 ###############################################################################
 # ``python grain.py COMMAND``. build_parser() describes the commands; main(argv) runs
@@ -3964,8 +4195,11 @@ def allocation_end():
 
 
 def _versions():
-    return (f"grain.py {__version__} (trio {trio.__version__}, dill {dill.__version__}, "
-            f"Python {sys.version.split()[0]})")
+    where = " bundle" if os.path.isfile(os.path.dirname(os.path.abspath(__file__))) else ""
+    tomli = "" if sys.version_info >= (3, 11) or tomllib is None else \
+        f", tomli {getattr(tomllib, '__version__', '?')}"
+    return (f"grain.py{where} {__version__} (trio {trio.__version__}, dill {dill.__version__}"
+            f"{tomli}, Python {sys.version.split()[0]})")
 
 
 def build_parser():
@@ -4023,6 +4257,12 @@ def build_parser():
 
     p = sub.add_parser("down", help="cancel every worker or head job grain submitted")
     config(p)
+
+    p = sub.add_parser("pack", help="build grain.pyz: grain.py with trio and dill inside, "
+                       "for machines without pip")
+    p.add_argument("-o", "--output", default="grain.pyz", metavar="FILE")
+    p.add_argument("--python", metavar="X.Y", help="the target Python (default: this one)")
+    p.add_argument("--wheels", metavar="DIR", help="take the wheels from DIR (offline)")
 
     p = sub.add_parser("start", help="submit the head job (head.cmd), or run it --local")
     config(p)
@@ -4171,7 +4411,12 @@ def _cmd_quit(args):
     return 0
 
 
-_COMMANDS = {"worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit, "up": _cmd_up,
+def _cmd_pack(args):
+    pack(args.output, args.python, args.wheels)
+    return 0
+
+
+_COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit, "up": _cmd_up,
              "down": _cmd_down, "start": _cmd_start}
 
 

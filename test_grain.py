@@ -1027,6 +1027,8 @@ async def test_remote_worker_over_tcp(workers):
             assert x == i and pid == w.pid != os.getpid() and inst == "tcpw"
             assert cores == allowed[:1]   # the allocated slice of the worker's real cpuset
     assert await wait_exit(w) == 0           # FIN at mission end: it leaves cleanly
+    log_text = w.log_path.read_text()
+    assert "the mission ended" in log_text and "lost the head" not in log_text
 
 
 @pytest.mark.parametrize("worker_first", [True, False])
@@ -1741,3 +1743,142 @@ def test_a_rejected_submission_shows_the_schedulers_message(tmp_path, slurm_clea
     last = cp.stderr.strip().splitlines()[-1]
     assert last.startswith("grain.py up: submission failed (sbatch exit 1): ")
     assert "invalid partition" in last.lower()
+
+
+###############################################################################
+# pack: one self-contained file
+###############################################################################
+
+BUNDLE_MISSION = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    import grain
+    assert grain.__file__.startswith(sys.argv[1]), grain.__file__
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+    from grain.subproc import subprocify, subprocess_pool_scope
+    from grain import GVAR
+
+    @delayed
+    async def add(x):
+        import trio
+        await trio.sleep(x / 10)
+        return x + 1
+
+    @delayed
+    async def elevated_sum(l):
+        s_ = 0
+        for x in l:
+            s_ += (add @ Cores(1))(x)
+        return await s_
+
+    @delayed
+    @subprocify
+    def square(x):
+        import os, sys
+        return x * x, os.getpid(), sys.flags.isolated
+
+    @delayed
+    async def where():
+        import os
+        return os.getpid(), GVAR.instance
+
+    async def main():
+        sums = await each(elevated_sum(d) for d in [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+        async with subprocess_pool_scope():
+            sq, child, isolated = await (square @ Cores(1))(7)
+        remote = list(await (where @ Cores(3))()) if len(sys.argv) > 2 else None
+        print(repr([sums, sq, child != os.getpid(), isolated, remote]))
+
+    run(main, local=Cores([0]), address=sys.argv[2] if len(sys.argv) > 2 else False,
+        config_file=False)
+""")
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    out = {}
+    d = tmp_path_factory.mktemp("bundles")
+    for version in ("3.9", "3.13"):
+        target = tuple(int(x) for x in version.split("."))
+        python = grain._find_python(target)
+        if python is None:
+            pytest.skip(f"needs a Python {version} (pyenv on these machines has it)")
+        path = str(d / f"grain-{version}.pyz")
+        grain.pack(path, version, say=lambda msg: None)
+        out[version] = (python, path)
+    return out
+
+
+@pytest.mark.parametrize("version", ["3.9", "3.13"])
+def test_bundle_runs_with_nothing_installed(bundles, version, tmp_path):
+    python, pyz = bundles[version]
+    assert os.path.getsize(pyz) <= 1.5e6
+    cp = subprocess.run([python, "-I", "-S", pyz, "--version"], capture_output=True,
+                        text=True)
+    assert cp.returncode == 0 and cp.stdout.startswith("grain.py bundle ")
+    assert ("trio 0.31" in cp.stdout) == (version == "3.9") and "dill " in cp.stdout
+    mission = tmp_path / "mission.py"
+    mission.write_text(BUNDLE_MISSION)
+    env = dict(os.environ, HOME=str(tmp_path))
+    cp = subprocess.run([python, "-I", "-S", str(mission), pyz], capture_output=True,
+                        text=True, cwd=tmp_path, env=env, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert eval(cp.stdout.strip()) == [[9, 18, 27], 49, True, 1, None]
+    # A worker from the bundle joins a mission over an Edge file.
+    edge = f"edge://{tmp_path}/edge"
+    worker = subprocess.Popen([python, "-I", "-S", pyz, "worker", "--url", edge, "--res",
+                               '{"Cores": {"N": 3}}', "--oversubscribe", "--name", "bundled"],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        cp = subprocess.run([python, "-I", "-S", str(mission), pyz, edge],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+        assert cp.returncode == 0, cp.stderr
+        assert eval(cp.stdout.strip())[4] == [worker.pid, "bundled"]
+        assert worker.wait(15) == 0
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_bundles_are_byte_identical_when_rebuilt(bundles, tmp_path):
+    for version, (_, first) in bundles.items():
+        again = str(tmp_path / f"again-{version}.pyz")
+        grain.pack(again, version, say=lambda msg: None)
+        with open(first, "rb") as a, open(again, "rb") as b:
+            assert a.read() == b.read(), version
+
+
+def test_pack_refuses_what_it_cannot_build(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    cp = run_py(GRAIN, "pack", "-o", str(tmp_path / "x.pyz"), "--python", "3.9",
+                "--wheels", str(wheels))
+    assert cp.returncode == 1 and not (tmp_path / "x.pyz").exists()
+    assert cp.stderr.strip().splitlines()[-1] == (
+        f"grain.py pack: no wheel of trio supporting Python 3.9 in {wheels} (trio 0.31 is "
+        "the newest for Python 3.9)")
+    # No package index: the installed copies, if they support the target.
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS="")
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    cp = subprocess.run([sys.executable, GRAIN, "pack", "-o", str(tmp_path / "y.pyz"),
+                         "--python", here], capture_output=True, text=True, env=env)
+    assert cp.returncode == 0, cp.stderr
+    assert "using this interpreter's installed copies" in cp.stdout
+    assert f"tested with {sys.executable} -I -S" in cp.stdout
+    import importlib.metadata as md
+    if not grain.python_supports(md.distribution("trio").metadata["Requires-Python"], (3, 9)):
+        cp = subprocess.run([sys.executable, GRAIN, "pack", "-o", str(tmp_path / "z.pyz"),
+                             "--python", "3.9"], capture_output=True, text=True, env=env)
+        assert cp.returncode == 1 and "the installed trio" in cp.stderr
+        assert "needs Python >=3.10, not 3.9; give --wheels DIR" in cp.stderr
+    cp = run_py(GRAIN, "pack", "--python", "3")
+    assert cp.returncode == 2 and "--python takes X.Y" in cp.stderr
+
+
+def test_requires_python_specifiers():
+    ok = grain.python_supports
+    assert ok(">=3.9", (3, 9)) and not ok(">=3.10", (3, 9)) and ok(None, (3, 9))
+    assert ok(">=3.8, !=3.9.*", (3, 10)) and not ok(">=3.8, !=3.9.*", (3, 9))
+    assert ok("~=3.7", (3, 12)) and not ok("<3.11", (3, 11)) and ok(">3.7", (3, 9))
