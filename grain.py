@@ -2793,43 +2793,33 @@ class Delayed:
     __array_priority__ = 1000  # NumPy: let our reflected operators win
 
     def __init__(self, value=_NO_VALUE):
-        object.__setattr__(self, "_job", None)
-        object.__setattr__(self, "_op", None)
-        object.__setattr__(self, "_args", ())
-        object.__setattr__(self, "_kwargs", None)
-        object.__setattr__(self, "_nout", None)
-        object.__setattr__(self, "_value", value)
+        self._fill(self, None, None, (), None, None, value)
+
+    @staticmethod
+    def _fill(d, job, op, args, kwargs, nout, value):
+        # Delayed refuses setattr (it is a placeholder), so its own slots are set this way.
+        set_ = object.__setattr__
+        set_(d, "_job", job)
+        set_(d, "_op", op)
+        set_(d, "_args", args)
+        set_(d, "_kwargs", kwargs)
+        set_(d, "_nout", nout)
+        set_(d, "_value", value)
+        return d
 
     @classmethod
     def _of_job(cls, job, nout=None):
-        d = object.__new__(cls)
-        object.__setattr__(d, "_job", job)
-        object.__setattr__(d, "_op", None)
-        object.__setattr__(d, "_args", ())
-        object.__setattr__(d, "_kwargs", None)
-        object.__setattr__(d, "_nout", nout)
-        object.__setattr__(d, "_value", _NO_VALUE)
-        return d
+        return cls._fill(object.__new__(cls), job, None, (), None, nout, _NO_VALUE)
 
     @classmethod
     def _apply(cls, op, args, kwargs=None, nout=None):
-        d = object.__new__(cls)
-        object.__setattr__(d, "_job", None)
-        object.__setattr__(d, "_op", op)
-        object.__setattr__(d, "_args", _capture(args))
-        object.__setattr__(d, "_kwargs", _capture(kwargs) if kwargs else None)
-        object.__setattr__(d, "_nout", nout)
-        object.__setattr__(d, "_value", _NO_VALUE)
-        return d
+        return cls._fill(object.__new__(cls), None, op, _capture(args),
+                         _capture(kwargs) if kwargs else None, nout, _NO_VALUE)
 
     def _snapshot(self):
         """A new placeholder for this one's current value (shares its job and cache)."""
-        if self._value is not _NO_VALUE and self._job is None and self._op is None:
-            return self  # a plain value cannot be changed by setitem: no need to copy
-        d = object.__new__(Delayed)
-        for name in Delayed.__slots__:
-            object.__setattr__(d, name, getattr(self, name))
-        return d
+        return self._fill(object.__new__(Delayed), self._job, self._op, self._args,
+                          self._kwargs, self._nout, self._value)
 
     # -- evaluation ---------------------------------------------------------
     def __await__(self):
@@ -2873,12 +2863,8 @@ class Delayed:
     def __setitem__(self, key, value):
         # Copy-on-setitem: this placeholder now stands for a copy of the old value with the
         # item set; whoever holds the old value (e.g. another delayed) is not affected.
-        old = self._snapshot()
-        object.__setattr__(self, "_job", None)
-        object.__setattr__(self, "_op", _copy_setitem)
-        object.__setattr__(self, "_args", (old, _capture(key), _capture(value)))
-        object.__setattr__(self, "_kwargs", None)
-        object.__setattr__(self, "_value", _NO_VALUE)
+        self._fill(self, None, _copy_setitem, (self._snapshot(), _capture(key), _capture(value)),
+                   None, self._nout, _NO_VALUE)
 
     def __call__(self, *args, **kwargs):
         return Delayed._apply(_call, (self, *args), kwargs or None)

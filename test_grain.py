@@ -685,6 +685,11 @@ async def test_delayed_operators_and_composition():
         d["j"] = a
         assert await d == {"k": 2, "j": 2} and await d2 == {"k": 2, "j": 2}
         assert await other == {"k": 1}
+        plain = grain.delayedval({"a": 0})
+        before = make(plain)
+        summed = plain["a"] + 1
+        plain["a"] = 5
+        assert await before == {"a": 0} and await summed == 1 and await plain == {"a": 5}
         x, s = pair(5)
         assert await x == 5 and await s == "5"
         assert await each(a, b, 7) == [2, 3, 7] and await each([a, b]) == [2, 3]
