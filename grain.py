@@ -2363,6 +2363,8 @@ class GrainExecutor:
         w = RemoteWorker(self, info["res"], info["name"], channel, info.get("pid"),
                          info.get("host"), info.get("job_id"))
         self.joined_job_ids.add(info.get("job_id"))
+        if self.job_book is not None and info.get("job_id"):
+            await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
         self.add_worker(w)
         log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
                  w.total)
@@ -2457,8 +2459,8 @@ class GrainExecutor:
         reported = set()
         while True:
             await trio.sleep(JOB_WATCH_S)
-            records = [r for r in book.records() if r.get("role") == "worker"
-                       and r["id"] not in self.joined_job_ids and r["id"] not in reported]
+            records = [r for r in book.waiting()
+                       if r["id"] not in self.joined_job_ids and r["id"] not in reported]
             if not records:
                 continue
             states = await trio.to_thread.run_sync(batch_states, system,
@@ -3823,7 +3825,8 @@ def render_script(s, main, when=None):
 
 class JobBook:
     """The jobs grain submitted for one address: JSON lines in a file beside the Edge file
-    (or in ~/.local/share/grain for tcp/unix addresses)."""
+    (or in ~/.local/share/grain for tcp/unix addresses), changed under a flock because
+    `up`, `down` and heads write it concurrently."""
 
     def __init__(self, address):
         scheme, host, where = parse_url(address)
@@ -3832,6 +3835,18 @@ class JobBook:
         else:
             tag = hashlib.sha1(address.encode()).hexdigest()[:12]
             self.path = os.path.join(os.path.dirname(default_key_path()), f"jobs-{tag}")
+
+    @contextlib.contextmanager
+    def _locked(self):
+        import fcntl
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def records(self):
         try:
@@ -3844,13 +3859,24 @@ class JobBook:
             return []
 
     def add(self, record):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with self._locked():
+            atomic_write(self.path, "".join(json.dumps(r) + "\n"
+                                            for r in self.records() + [record]).encode())
 
-    def replace_all(self, records):
-        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
+    def update(self, change):
+        """Rewrite the records through ``change(records) -> records``."""
+        with self._locked():
+            records = self.records()
+            new = change(records)
+            if new != records:
+                atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in new).encode())
+
+    def mark_joined(self, job_id):
+        self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
+
+    def waiting(self):
+        """Worker jobs whose worker has not joined (yet)."""
+        return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
 
 
 def _run_command(argv, what, hint, stdin=None):
@@ -4289,7 +4315,7 @@ def _cli_target(args):
 
 def format_jobs(book, system, joined):
     """Lines about submitted batch jobs whose worker has not joined (yet)."""
-    records = [r for r in book.records() if r.get("role") == "worker" and r["id"] not in joined]
+    records = [r for r in book.waiting() if r["id"] not in joined]
     if not records:
         return []
     states = batch_states(system or records[0].get("system"), [r["id"] for r in records])
@@ -4360,28 +4386,40 @@ def _cmd_start(args):
 
 def _cmd_down(args):
     cfg = load_config(args.config)
-    books = {JobBook(cfg.role("worker").dial).path: JobBook(cfg.role("worker").dial),
-             JobBook(cfg.role("head").listen).path: JobBook(cfg.role("head").listen)}
+    books = {b.path: b for b in (JobBook(cfg.role("worker").dial),
+                                 JobBook(cfg.role("head").listen))}
     cancelled = 0
     for book in books.values():
-        records = book.records()
-        keep = []
-        for r in records:
-            system = r.get("system")
-            cancel = SYSTEMS.get(system, {}).get("cancel")
-            if not cancel:
-                print(f"job {r['id']} ({r['name']}): no cancel command for system "
-                      f"{system!r}; cancel it yourself")
-                keep.append(r)
-                continue
-            cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True)
-            if cp.returncode == 0:
-                print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
-                cancelled += 1
-            else:
-                print(f"job {r['id']} ({r['name']}): {' '.join(cancel)} said: "
-                      f"{(cp.stderr or cp.stdout).strip() or 'nothing'} (already ended?)")
-        book.replace_all(keep) if records else None
+        by_system = {}
+        for r in book.records():
+            by_system.setdefault(r.get("system"), []).append(r)
+        live = set()
+        for system, records in by_system.items():
+            live |= set(batch_states(system, [r["id"] for r in records]))
+
+        def cancel_live(records):
+            nonlocal cancelled
+            keep = []
+            for r in records:
+                if r["id"] not in live:
+                    continue  # ended already: forget it
+                cancel = SYSTEMS.get(r.get("system"), {}).get("cancel")
+                if not cancel:
+                    print(f"job {r['id']} ({r['name']}): no cancel command for system "
+                          f"{r.get('system')!r}; cancel it yourself")
+                    keep.append(r)
+                    continue
+                cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True)
+                if cp.returncode == 0:
+                    print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
+                    cancelled += 1
+                else:
+                    print(f"job {r['id']} ({r['name']}): {' '.join(cancel)} failed: "
+                          f"{(cp.stderr or cp.stdout).strip()}")
+                    keep.append(r)
+            return keep
+
+        book.update(cancel_live)
     if not cancelled:
         print("no job to cancel")
     return 0

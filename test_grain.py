@@ -1678,6 +1678,11 @@ def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
                      "the defer cleanup")
         else:  # the torque wrapper names jobs by Slurm's id too
             wait_for(lambda: len(list(tmp_path.glob("cleaned-*"))) == 2, 10, "the cleanup")
+        # Their workers joined, so a later `ls` raises no false alarm about them.
+        ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+        assert ls.returncode == 1 and "ENDED WITHOUT" not in ls.stdout
+        down = grain_cli("down", "-c", str(cfg), cwd=tmp_path)
+        assert down.stdout.strip() == "no job to cancel"
     finally:
         head.kill()
         head.wait()
