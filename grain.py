@@ -1160,6 +1160,10 @@ class Channel:
             self._writing = False
 
     @property
+    def has_pending_output(self):
+        return bool(self._out)
+
+    @property
     def has_buffered_input(self):
         return bool(self._frames._ready)
 
@@ -1172,7 +1176,10 @@ class Channel:
         if frame is None:
             return None
         self.last_heard = trio.current_time()
-        return pickle.loads(frame)
+        try:
+            return pickle.loads(frame)
+        except Exception as e:  # authenticated, yet undecodable: drop this peer only
+            raise PeerError(f"undecodable message from {self.peer}: {e}") from None
 
     def close_after_flush(self):
         self._closed = True
@@ -1830,6 +1837,10 @@ class RemoteWorker(Worker):
                 add_note(exc, f"Traceback on worker {self.name}:\n{tb.rstrip()}")
             self.executor._job_ended(job, None, exc, duration)
 
+    def on_leaving(self, why):
+        self.leaving, self.accepting = why, False
+        log.info("worker %s is leaving: %s", self.name, why)
+
     def interrupt_all(self, kind, why):
         jobs, self.jobs = list(self.jobs.values()), {}
         for job in jobs:
@@ -2369,7 +2380,7 @@ class GrainExecutor:
         log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
                  w.total)
         why, kind = "was lost (its connection closed)", RETRY_LOST
-        silent = []
+        silent = []  # set by the silence watchdog
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_send_heartbeats, channel)
@@ -2379,18 +2390,10 @@ class GrainExecutor:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(_watch_silence, channel, on_silent)
-                while True:
-                    if channel._out and not channel.has_buffered_input:
-                        await channel.flush()  # the jobs this batch of results let start
-                    msg = await channel.receive()
-                    if msg is None:
-                        break
-                    op = msg[0]
-                    if op == "done":
-                        w.on_done(*msg[1:])
-                    elif op == "leaving":
-                        w.leaving, w.accepting = msg[1], False
-                        log.info("worker %s is leaving: %s", w.name, msg[1])
+                try:  # inside the nursery, so a peer's error is not wrapped in a group
+                    await self._worker_messages(w, channel)
+                except PeerError as e:
+                    why = f"was dropped ({e})"
                 nursery.cancel_scope.cancel()
         finally:
             self.remove_worker(w)
@@ -2402,6 +2405,20 @@ class GrainExecutor:
                 log.warning("worker %s %s with %d job(s) running; re-queueing them",
                             w.name, why, len(w.jobs))
             w.interrupt_all(kind, why)
+
+    async def _worker_messages(self, w, channel):
+        handlers = {"done": w.on_done, "leaving": w.on_leaving, "ping": lambda: None}
+        while True:
+            if channel.has_pending_output and not channel.has_buffered_input:
+                await channel.flush()  # the jobs this batch of results let start
+            msg = await channel.receive()
+            if msg is None:
+                return
+            try:
+                handler = handlers[msg[0]]
+            except (KeyError, IndexError, TypeError):
+                raise PeerError(f"unknown message {msg!r:.60}") from None
+            handler(*msg[1:])
 
     async def _serve_cli(self, channel, cmd, *args):
         handler = {"stats": self._cli_stats, "quit": self._cli_quit}.get(cmd)

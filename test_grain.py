@@ -1892,3 +1892,20 @@ def test_requires_python_specifiers():
     assert ok(">=3.9", (3, 9)) and not ok(">=3.10", (3, 9)) and ok(None, (3, 9))
     assert ok(">=3.8, !=3.9.*", (3, 10)) and not ok(">=3.8, !=3.9.*", (3, 9))
     assert ok("~=3.7", (3, 12)) and not ok("<3.11", (3, 11)) and ok(">3.7", (3, 9))
+
+
+@trio_test
+async def test_a_registered_worker_sending_garbage_is_dropped_not_the_head():
+    async with grain.GrainExecutor(rpw=Cores(1), max_frame=1000) as exer:
+        for garbage in [grain.FRAME_HEADER.pack(10 ** 6) + b"x",           # oversized
+                        grain.encode_frame(b"not a pickle"),                # undecodable
+                        grain.encode_frame(grain.dumps_control(("hack",)))]:  # unknown op
+            head_side, fake_side = trio.testing.memory_stream_pair()
+            exer._nursery.start_soon(exer._on_connection, head_side, "fake-peer")
+            register = ("register", {"name": "bad", "res": Cores([0, 1]), "pid": 1})
+            await fake_side.send_all(grain.encode_frame(grain.dumps_control(register)))
+            await exer.wait_for_workers(1)
+            await fake_side.send_all(garbage)
+            while exer.workers[1:]:
+                await trio.sleep(0.01)
+        assert await exer.submit(Cores(1), where_am_i, 5) == (5, os.getpid(), [0], "local")
