@@ -3245,7 +3245,12 @@ class WorkerProcess:
                     log.warning("lost the head (connection closed); leaving")
                 self.done.set()
                 return
-            handlers[msg[0]](*msg[1:])
+            handler = handlers.get(msg[0]) if isinstance(msg, tuple) and msg else None
+            if handler is None:
+                log.warning("the head sent an unknown message %.60r; leaving", msg)
+                self.leave("it could not understand the head")
+                return
+            handler(*msg[1:])
 
     def _on_silent_head(self):
         log.warning("lost the head (silent for %g s); leaving", SILENT_S)
@@ -3372,11 +3377,14 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
         # A worker in a batch job waits for a head no longer than its walltime: one that
         # started after its mission ended must not sit on the allocation.
         with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
-            if parse_url(url)[0] == "edge":
-                stream = await edge_connect(parse_url(url)[2], key)
-            else:
-                stream = await open_stream(url)
-                await authenticate(stream, key, dialer=True)
+            try:
+                if parse_url(url)[0] == "edge":
+                    stream = await edge_connect(parse_url(url)[2], key)
+                else:
+                    stream = await open_stream(url)
+                    await authenticate(stream, key, dialer=True)
+            except (OSError, PeerError) as e:
+                raise GrainError(f"cannot reach a head at {url}: {e}") from None
         if waiting.cancelled_caught:
             log.warning("no head came within this worker's walltime; leaving")
             return 0
@@ -4484,6 +4492,14 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug or an unforeseen failure: one line, the rest with -v
+        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+            e = e.exceptions[0]
+        if args.verbose:
+            traceback.print_exc()
+        print(f"grain.py {args.command}: {type(e).__name__}: {e} (run with -v for the "
+              "traceback)", file=sys.stderr)
+        return 1
 
 
 ###############################################################################

@@ -1319,6 +1319,13 @@ def test_worker_bad_input(args, message):
     assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
 
 
+def test_worker_without_a_head_at_a_tcp_address():
+    cp = run_py(GRAIN, "worker", "--url", "tcp://127.0.0.1:1")
+    assert cp.returncode == 1 and "Traceback" not in cp.stderr
+    assert cp.stderr.strip().startswith("grain.py worker: cannot reach a head at "
+                                        "tcp://127.0.0.1:1: ")
+
+
 def test_edge_in_a_directory_we_cannot_write(tmp_path, monkeypatch):
     # The suite runs as root in CI, for whom every directory is writable: ask os.access.
     real_access = os.access
