@@ -2489,11 +2489,12 @@ class GrainExecutor:
                                 "the end of its log %s:\n%s", r["id"], r["name"], r["log"],
                                 _log_tail(r["log"]))
 
-    async def _say_goodbye(self):
-        """FIN to every remote worker, and wait (a little) for it to go out."""
+    async def _say_goodbye(self, abort=False):
+        """FIN to every remote worker (or, when the mission failed, "leave now": no one will
+        read what they are still computing), and wait (a little) for it to go out."""
         remote = [w for w in self.workers if isinstance(w, RemoteWorker)]
         for w in remote:
-            w.channel.send(("fin",))
+            w.channel.send(("leave",) if abort else ("fin",))
             w.channel.close_after_flush()
         with trio.move_on_after(5):
             for w in remote:
@@ -2556,7 +2557,7 @@ class GrainExecutor:
                 await self.wait_all()
         finally:
             with trio.CancelScope(shield=True):
-                await self._say_goodbye()
+                await self._say_goodbye(abort=etype is not None)
             await self._stack.__aexit__(None, None, None)
             _RUNTIME.reset(self._rt_token)
             self._nursery = None

@@ -1916,3 +1916,19 @@ async def test_a_registered_worker_sending_garbage_is_dropped_not_the_head():
             while exer.workers[1:]:
                 await trio.sleep(0.01)
         assert await exer.submit(Cores(1), where_am_i, 5) == (5, os.getpid(), [0], "local")
+
+
+@trio_test
+async def test_a_failed_mission_stops_its_remote_jobs(workers, tmp_path):
+    pidfile = tmp_path / "pids"
+    with pytest.raises(KeyError):
+        async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+            w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+            await exer.wait_for_workers(1)
+            exer.submit(Cores(1), pid_then_sleep, str(pidfile), 60)
+            with trio.fail_after(10):
+                while not pidfile.exists():
+                    await trio.sleep(0.02)
+            raise KeyError("the mission's own bug")
+    t0 = trio.current_time()
+    assert await wait_exit(w) == 0 and trio.current_time() - t0 < 10
