@@ -1139,7 +1139,9 @@ class Channel:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 await self.flush()
-                if self._closed and not self._out:
+                # Closing, and nothing left -- not even in another task's flush, which
+                # wakes us when it ends -- means everything queued has gone out.
+                if self._closed and not self._out and not self._writing:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._closed = True
@@ -1158,6 +1160,8 @@ class Channel:
                 await self.stream.send_all(data)
         finally:
             self._writing = False
+            if self._closed:
+                self._wakeup.set()  # let the writer see that the last bytes are out
 
     @property
     def has_pending_output(self):
