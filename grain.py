@@ -1865,10 +1865,9 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "_executor", "duration", "payload")
+                 "duration", "payload")
 
-    def __init__(self, executor, jid, req, fn, args, kwargs):
-        self._executor = executor
+    def __init__(self, jid, req, fn, args, kwargs):
         self.id = jid
         self.req = req
         self.fn = fn
@@ -2053,7 +2052,7 @@ class GrainExecutor:
         return self._submit(res, fn, args, kwargs)
 
     def _submit(self, res, fn, args, kwargs):
-        job = Job(self, next(self._ids), res, fn, args, kwargs)
+        job = Job(next(self._ids), res, fn, args, kwargs)
         if self._remote and res is not ZERO:
             self._prepare_payload(job)
         self._jobs.append(job)
@@ -2064,7 +2063,7 @@ class GrainExecutor:
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
         (delayed calls whose arguments are still pending). A failure to resolve fails the job."""
-        job = Job(self, next(self._ids), res, fn, None, None)
+        job = Job(next(self._ids), res, fn, None, None)
         self._jobs.append(job)
         self._outstanding += 1
 
