@@ -4264,6 +4264,8 @@ def build_parser():
                        help="be a passive worker: wait at tcp://:PORT for a head to dial")
     p.add_argument("--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": {"N": '
                    '16}, "Memory": {"M": 32}}\' (default: this cpuset and memory)')
+    p.add_argument("--max-frame", type=int, default=MAX_FRAME, metavar="BYTES",
+                   help="the largest message the head may send (default 1 GiB)")
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow --res to offer more cores than this process's cpuset (the "
                    "extra ids are virtual; for tests and benchmarks)")
@@ -4329,11 +4331,14 @@ def _cmd_worker(args):
     else:
         parse_url(url)
         worker_provider(res, args.oversubscribe)  # refuse impossible resources up front
+    if args.max_frame < 1024:
+        raise UsageError(f"--max-frame must be at least 1024 bytes, got {args.max_frame}")
     if args.context and not os.path.isfile(args.context):
         raise UsageError(f"--context {args.context}: no such file")
     return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
-                                      key_path=args.key, oversubscribe=args.oversubscribe))
+                                      key_path=args.key, oversubscribe=args.oversubscribe,
+                                      max_frame=args.max_frame))
 
 
 def _cli_target(args):
