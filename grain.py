@@ -101,6 +101,7 @@ import time
 import traceback
 import types
 from collections import deque, namedtuple
+from dataclasses import dataclass, field, replace
 
 try:
     import trio
@@ -3491,9 +3492,6 @@ def format_ls(stats):
 # system's command and checks what it says. Every submitted job is recorded in a
 # small JSON file beside the Edge file, so `ls` and `down` find them even after a
 # head crashed.
-
-from dataclasses import dataclass, field, replace  # noqa: E402  (stdlib, used only here)
-
 
 class ConfigError(UsageError):
     """grain.toml is malformed, or a key has the wrong type or value."""
