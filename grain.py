@@ -3101,12 +3101,50 @@ def _memory_gb():
     return round((limit or 0) / 2 ** 30, 2)
 
 
+def _parse_ids(text):
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
+    ids = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def batch_cpu_ids(allowed):
+    """The cores the batch system gave this job, when its cpuset does not say so.
+
+    Under Slurm with TaskPlugin=task/none nothing is bound: every job's cpuset is the whole
+    node, and two workers on one node would both offer core 0. Slurm still knows which
+    cores it allocated to each job (``scontrol show job -d``: CPU_IDs, in Slurm's own
+    numbering, which matches the OS's on most nodes). Used only when the cpuset is the whole
+    node; None when there is nothing better to say."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or len(allowed) != (os.cpu_count() or 0):
+        return None
+    try:
+        cp = subprocess.run(["scontrol", "show", "job", "-d", job], capture_output=True,
+                            text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    node = os.environ.get("SLURMD_NODENAME") or _hostname()
+    for nodes, ids in re.findall(r"Nodes=(\S+) CPU_IDs=([\d,-]+)", cp.stdout):
+        if nodes == node or len(re.findall(r"Nodes=", cp.stdout)) == 1:
+            chosen = [i for i in _parse_ids(ids) if i in set(allowed)]
+            return chosen or None
+    return None
+
+
 def worker_provider(req=None, oversubscribe=False):
     """The resources a worker offers, from its ``--res`` request (None: the whole cpuset and
     memory). Core ids come from this process's affinity set: the cores the batch system gave
     the job, not 0..N-1. More cores than that set is an error, unless ``oversubscribe``
     (then the ids past the real ones are virtual, as for the in-process worker)."""
     allowed = _allowed_cores()
+    granted = batch_cpu_ids(allowed)
+    if granted:
+        log.info("the batch system bound no cores; using the %d it allocated to this job "
+                 "(%s)", len(granted), _fmt_ids(granted))
+        allowed = granted
     if req is None or req is ZERO:
         return Cores._ids(allowed) & Memory(_memory_gb())
     parts = dict(req._parts())

@@ -1601,7 +1601,7 @@ SLURM_MISSION = textwrap.dedent("""
     @delayed
     async def job(i):
         await trio.sleep(2)
-        return GVAR.instance, os.environ.get("SLURM_JOB_ID"), os.getpid()
+        return GVAR.instance, os.environ.get("SLURM_JOB_ID"), os.getpid(), GVAR.res.c
 
     async def main():
         print(json.dumps(await each((job @ Cores(1))(i) for i in range(6))), flush=True)
@@ -1678,6 +1678,9 @@ def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
         results = _json.loads(out.strip().splitlines()[-1])
         assert len(results) == 6 and {r[1] for r in results} <= set(ids)
         assert all(r[2] != head.pid for r in results)
+        # Each worker offers the core Slurm allocated to its job, not both "core 0".
+        cores = {r[1]: tuple(r[3]) for r in results}
+        assert len(cores) == 2 and len(set(cores.values())) == 2, cores
         # After the mission: no allocation lingers, and the deferred cleanup ran in both.
         wait_for(lambda: not (squeue_ids() & set(ids)), 60, "the jobs to leave squeue")
         if system == "slurm":
@@ -1892,6 +1895,11 @@ def test_pack_refuses_what_it_cannot_build(tmp_path):
         assert "needs Python >=3.10, not 3.9; give --wheels DIR" in cp.stderr
     cp = run_py(GRAIN, "pack", "--python", "3")
     assert cp.returncode == 2 and "--python takes X.Y" in cp.stderr
+
+
+def test_core_id_lists():
+    assert grain._parse_ids("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert grain._parse_ids("5") == [5]
 
 
 def test_requires_python_specifiers():
