@@ -1940,3 +1940,23 @@ async def test_a_failed_mission_stops_its_remote_jobs(workers, tmp_path):
             raise KeyError("the mission's own bug")
     t0 = trio.current_time()
     assert await wait_exit(w) == 0 and trio.current_time() - t0 < 10
+
+
+@trio_test
+async def test_a_crashed_heads_edge_record_is_replaced(workers, tmp_path, caplog):
+    edge = tmp_path / "edge"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()   # a pid that no longer runs, as after `kill -9` of a head
+    edge.write_text(_json.dumps({"listener": {
+        "host": grain._hostname(), "lid": "old", "pid": dead.pid, "heartbeat": time.time(),
+        "urls": {"lo": "tcp://127.0.0.1:1"}}, "dialer": []}))
+    w = workers.start("--url", f"edge://{edge}", "--res", '{"Cores": {"N": 1}}', name="patient")
+    with trio.fail_after(15):
+        while '"did"' not in edge.read_text():
+            await trio.sleep(0.05)   # it saw the record was stale and waits to be called
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
+            await exer.wait_for_workers(1)
+            assert (await exer.submit(Cores(1), where_am_i, 1))[3] == "patient"
+    assert f"replacing the stale record of pid {dead.pid}" in caplog.text
+    assert "stale head record" in w.log_path.read_text()
