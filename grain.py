@@ -1745,12 +1745,19 @@ class Worker:
     def start(self, job):
         raise NotImplementedError
 
+    where = "local"   # where it runs, for `ls`
+    job_id = None     # its batch job, if any
+
+    def status(self):
+        return "up" if self.accepting else "draining"
+
     def statistics(self):
         return WorkerStatistics(self.name, self.res.stat(), self.total.stat(), self.running,
-                                "up" if self.accepting else "draining")
+                                self.status(), self.where, self.job_id)
 
 
-WorkerStatistics = namedtuple("WorkerStatistics", "name free total running status")
+WorkerStatistics = namedtuple("WorkerStatistics",
+                              "name free total running status where job_id")
 WorkerStatistics.__doc__ = "A worker at one moment; free/total are ``Resource.stat()`` dicts."
 
 
@@ -1841,6 +1848,13 @@ class RemoteWorker(Worker):
             if tb:
                 add_note(exc, f"Traceback on worker {self.name}:\n{tb.rstrip()}")
             self.executor._job_ended(job, None, exc, duration)
+
+    @property
+    def where(self):
+        return f"pid {self.pid} on {self.host}"
+
+    def status(self):
+        return "leaving" if self.leaving else super().status()
 
     def on_leaving(self, why):
         self.leaving, self.accepting = why, False
@@ -2433,20 +2447,14 @@ class GrainExecutor:
 
     def _cli_stats(self):
         st = self.statistics()
-        workers = []
-        for w in self.workers:
-            free, total = w.res.stat(), w.total.stat()
-            workers.append({
-                "name": w.name, "cores": (free.get("Cores", (0, 0))[0],
-                                          total.get("Cores", (0, 0))[1]),
-                "memory": (free.get("Memory", (0, 0))[0], total.get("Memory", (0, 0))[1]),
-                "walltime": free["WTime"][0] if "WTime" in free else None,
-                "running": w.running,
-                "status": ("leaving" if getattr(w, "leaving", None) else
-                           "up" if w.accepting else "draining"),
-                "where": "local" if isinstance(w, LocalWorker) else f"pid {w.pid} on {w.host}",
-                "job_id": getattr(w, "job_id", None),
-            })
+        workers = [{"name": w.name,
+                    "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
+                    "memory": (w.free.get("Memory", (0, 0))[0],
+                               w.total.get("Memory", (0, 0))[1]),
+                    "walltime": w.free["WTime"][0] if "WTime" in w.free else None,
+                    "running": w.running, "status": w.status, "where": w.where,
+                    "job_id": w.job_id}
+                   for w in st.workers]
         return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
                 "queued": st.queued, "running": st.running,
                 "done": st.done, "failed": st.failed, "retried": st.retried,
