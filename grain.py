@@ -1880,10 +1880,12 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "duration", "payload")
+                 "duration", "payload", "queue", "ref")
 
-    def __init__(self, jid, req, fn, args, kwargs):
+    def __init__(self, jid, req, fn, args, kwargs, queue=None):
         self.id = jid
+        self.queue = queue     # the JobQueue it waits in (one per mission)
+        self.ref = None        # on a head daemon: the mission's own id for it
         self.req = req
         self.fn = fn
         self.args = args
@@ -1933,6 +1935,25 @@ class Job:
 
     def __repr__(self):
         return f"<Job {self.name} {self.req!r} {self.state}>"
+
+
+class JobQueue:
+    """The jobs of one mission waiting for resources, oldest first. An executor running a
+    mission in-process has one; a head daemon has one per attached mission."""
+
+    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at")
+
+    def __init__(self, name, prioritized=False):
+        self.jobs = deque()
+        self.name = name
+        self.prioritized = prioritized
+        self.blocked_job = None      # the head job while it fits no worker, and since when
+        self.blocked_since = 0.0
+        self.warned_at = -math.inf
+
+    def warn(self, message):
+        """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
+        log.warning("%s", message)
 
 
 ExecutorStatistics = namedtuple(
@@ -2020,15 +2041,14 @@ class GrainExecutor:
         self.max_retries = _check_count(max_retries, "max_retries")
         self.local_name = name
         self.workers = []
-        self._queue = deque()
+        self._main_queue = JobQueue(name)
+        self._queues = [self._main_queue]
+        self._n_queued = 0
         self._jobs = []  # every job, in submission order
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
         self._group_times = _GroupTimes()
-        self._blocked_job = None
-        self._blocked_since = 0.0
-        self._warned_at = -math.inf
         self._nursery = None
         self._zero_worker = None
         self._sync_jobs = None
@@ -2067,7 +2087,7 @@ class GrainExecutor:
         return self._submit(res, fn, args, kwargs)
 
     def _submit(self, res, fn, args, kwargs):
-        job = Job(next(self._ids), res, fn, args, kwargs)
+        job = Job(next(self._ids), res, fn, args, kwargs, self._main_queue)
         if self._remote and res is not ZERO:
             self._prepare_payload(job)
         self._jobs.append(job)
@@ -2078,7 +2098,7 @@ class GrainExecutor:
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
         (delayed calls whose arguments are still pending). A failure to resolve fails the job."""
-        job = Job(next(self._ids), res, fn, None, None)
+        job = Job(next(self._ids), res, fn, None, None, self._main_queue)
         self._jobs.append(job)
         self._outstanding += 1
 
@@ -2129,16 +2149,43 @@ class GrainExecutor:
             self._zero_worker.running += 1
             self._zero_worker.start(job)
             return
-        self._queue.append(job)
-        if len(self._queue) == 1:
+        jobs = job.queue.jobs
+        jobs.append(job)
+        self._n_queued += 1
+        if len(jobs) == 1:  # behind another job it could not start before it (FIFO)
             self._pump()
 
     # -- dispatch: the queue policy ---------------------------------------
     def _pump(self):
-        """Start queued jobs while the head of the queue fits a worker (strict FIFO)."""
-        queue, workers = self._queue, self.workers
-        while queue:
-            job = queue[0]
+        """Start queued jobs on workers that can allocate them.
+
+        Within a queue, strict FIFO. Between queues (missions on a head daemon): those
+        ``prioritized`` first; among equals, one job per queue per round, and each call
+        starts its rounds one queue further along, so a small mission is never stuck behind
+        a large one's backlog."""
+        queues = self._queues
+        if len(queues) == 1:
+            self._start_from(queues[0], -1)
+            return
+        while self._n_queued:
+            started = False
+            for tier in (True, False):
+                for q in queues:
+                    if q.jobs and q.prioritized is tier and self._start_from(q, 1):
+                        started = True
+                if started:
+                    break  # back to the prioritized tier: what started may have freed nothing
+            if not started:
+                break
+        queues.append(queues.pop(0))
+
+    def _start_from(self, queue, limit):
+        """Start up to ``limit`` (-1: any number of) jobs from the head of ``queue``;
+        returns how many started."""
+        jobs, workers = queue.jobs, self.workers
+        started = 0
+        while jobs and started != limit:
+            job = jobs[0]
             if job.group is not None and job.T is None:
                 self._group_times.resolve(job)
             req = job.req
@@ -2146,17 +2193,20 @@ class GrainExecutor:
                 if w.accepting and w.res.request(req):
                     break
             else:
-                if self._blocked_job is not job:
-                    self._blocked_job = job
-                    self._blocked_since = trio.current_time()
-                return
-            queue.popleft()
+                if queue.blocked_job is not job:
+                    queue.blocked_job = job
+                    queue.blocked_since = trio.current_time()
+                return started
+            jobs.popleft()
+            self._n_queued -= 1
             job.state = "running"
             job.attempts += 1
             job.alloc = w.res._take(req)
             job.worker = w
             w.running += 1
             w.start(job)
+            started += 1
+        return started
 
     def add_worker(self, worker):
         self.workers.append(worker)
@@ -2193,7 +2243,7 @@ class GrainExecutor:
                 pass
             else:
                 self._complete(job, None, error, kind)
-        if self._queue:
+        if self._n_queued:
             self._pump()
 
     def _job_interrupted(self, job, kind, why):
@@ -2207,7 +2257,7 @@ class GrainExecutor:
         error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
         if not self._retry(job, kind, error):
             self._complete(job, None, error, kind)
-        if self._queue:
+        if self._n_queued:
             self._pump()
 
     def _retry_class(self, error):
@@ -2230,7 +2280,8 @@ class GrainExecutor:
         log.warning("job %s failed with %s (%s, attempt %d); retrying",
                     job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
         job.state = "queued"
-        self._queue.appendleft(job)  # it was submitted before everything behind it
+        job.queue.jobs.appendleft(job)  # it was submitted before everything behind it
+        self._n_queued += 1
         return True
 
     def _complete(self, job, value, error, kind=None):
@@ -2264,22 +2315,25 @@ class GrainExecutor:
     async def _watch_stuck(self):
         while True:
             await trio.sleep(STUCK_CHECK_S)
-            if not self._queue or self._queue[0] is not self._blocked_job:
-                continue
-            now = trio.current_time()
-            waited = now - self._blocked_since
-            if waited < STUCK_WARN_S or now - self._warned_at < STUCK_REPEAT_S:
-                continue
-            self._warned_at = now
-            job = self._blocked_job
-            if self.workers:
-                big = max(self.workers, key=lambda w: _size_key(w.total))
-                where = f"the largest worker is {big.name} with {big.total!r}"
-            else:
-                where = ("no worker has joined yet (give run() local=..., or start workers "
-                         "with `python grain.py up`)")
-            log.warning("job %s requesting %r has fitted no worker for %.0f s; %s; "
-                        "%d job(s) queued", job.name, job.req, waited, where, len(self._queue))
+            for q in list(self._queues):
+                if q.jobs and q.jobs[0] is q.blocked_job:
+                    self._warn_if_stuck(q)
+
+    def _warn_if_stuck(self, q):
+        now = trio.current_time()
+        waited = now - q.blocked_since
+        if waited < STUCK_WARN_S or now - q.warned_at < STUCK_REPEAT_S:
+            return
+        q.warned_at = now
+        job = q.blocked_job
+        if self.workers:
+            big = max(self.workers, key=lambda w: _size_key(w.total))
+            where = f"the largest worker is {big.name} with {big.total!r}"
+        else:
+            where = ("no worker has joined yet (give run() local=..., or start workers "
+                     "with `python grain.py up`)")
+        q.warn(f"job {job.name} requesting {job.req!r} has fitted no worker for "
+               f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued")
 
     # -- the head: workers and CLI clients connect here -------------------------
     async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -2517,8 +2571,9 @@ class GrainExecutor:
         running = sum(w.running for w in self.workers)
         if self._zero_worker is not None:
             running += self._zero_worker.running
-        nxt = self._queue[0].req if self._queue else None
-        return ExecutorStatistics(len(self._queue), running, self.counts["done"],
+        heads = [q.jobs[0] for q in self._queues if q.jobs]
+        nxt = min(heads, key=lambda j: j.id).req if heads else None
+        return ExecutorStatistics(self._n_queued, running, self.counts["done"],
                                   self.counts["failed"], self.counts["retried"],
                                   [w.statistics() for w in self.workers], nxt)
 
