@@ -142,6 +142,7 @@ FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
 HANDSHAKE_TIMEOUT_S = 5.0  # seconds a new connection has to prove it holds the key
 HEARTBEAT_S = 10.0        # seconds between heartbeats, both ways
 SILENT_S = 30.0           # seconds of silence after which a peer is taken for lost
+MISSION_SILENT_S = 300.0  # ... a mission, whose main may block its event loop for a while
 EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge record
 EDGE_STALE_S = 45.0       # seconds after which an unrefreshed Edge record is stale
 EDGE_CONNECT_S = 3.0      # seconds to try one URL from an Edge record
@@ -1434,16 +1435,16 @@ async def _send_heartbeats(channel):
         channel.send(("ping",))
 
 
-async def _watch_silence(channel, on_silent):
-    """Call ``on_silent()`` once the peer has sent nothing for SILENT_S. (One task per
-    connection, rather than a cancel scope around every receive: the per-message path
+async def _watch_silence(channel, on_silent, limit=SILENT_S):
+    """Call ``on_silent()`` once the peer has sent nothing for ``limit`` seconds. (One task
+    per connection, rather than a cancel scope around every receive: the per-message path
     stays short.)"""
     while True:
         quiet = trio.current_time() - channel.last_heard
-        if quiet >= SILENT_S:
+        if quiet >= limit:
             on_silent()
             return
-        await trio.sleep(SILENT_S - quiet)
+        await trio.sleep(limit - quiet)
 
 
 def _edge_socket_path(edge_path, tag):
@@ -1832,9 +1833,17 @@ class RemoteWorker(Worker):
         self.jobs[job.id] = job
         self.channel.send(("run", job.id, digest, job.payload, job.alloc, job.T))
 
+    def message_handlers(self):
+        """What this peer may send, by message name."""
+        return {"done": self.on_done, "leaving": self.on_leaving, "ping": lambda: None,
+                "cancelled": self.on_cancelled}
+
     def on_done(self, jid, ok, data, duration):
         job = self.jobs.pop(jid, None)
         if job is None:
+            return
+        if self.executor.opaque:  # a head daemon passes results on to missions unopened
+            self.executor._job_ended(job, (ok, data), None, duration)
             return
         try:
             value = loads_job_value(data)
@@ -1856,6 +1865,17 @@ class RemoteWorker(Worker):
     def status(self):
         return "leaving" if self.leaving else super().status()
 
+    def cancel(self, job):
+        """Stop a running job whose result nobody wants any more; its resources come back
+        when the worker confirms ("cancelled") or reports it done anyway."""
+        if job.id in self.jobs:
+            self.channel.send(("cancel", job.id))
+
+    def on_cancelled(self, jid):
+        job = self.jobs.pop(jid, None)
+        if job is not None:
+            self.executor._job_cancelled(job)
+
     def on_leaving(self, why):
         self.leaving, self.accepting = why, False
         log.info("worker %s is leaving: %s", self.name, why)
@@ -1864,6 +1884,28 @@ class RemoteWorker(Worker):
         jobs, self.jobs = list(self.jobs.values()), {}
         for job in jobs:
             self.executor._job_interrupted(job, kind, why)
+
+
+class HeadLink(RemoteWorker):
+    """A mission's connection to a head daemon, which its executor sees as one worker that
+    takes every job: it forwards the job's request and pickled bytes, and the daemon picks
+    the real worker. Results come back as they would from a worker."""
+
+    def __init__(self, executor, channel, info):
+        super().__init__(executor, ZERO, "head", channel, info.get("pid"), info.get("host"))
+        self.log_file = info.get("log") or "(unknown)"
+
+    def start(self, job):
+        digest, fn_bytes = self.executor._function_bytes(job.fn)
+        if digest not in self.known_functions:
+            self.known_functions.add(digest)
+            self.channel.send(("fn", digest, fn_bytes, _callable_name(job.fn)))
+        self.jobs[job.id] = job
+        self.channel.send(("job", job.id, job.req, digest, job.payload))
+
+    def message_handlers(self):
+        return {"done": self.on_done, "ping": lambda: None,
+                "warn": lambda text: log.warning("%s", text)}
 
 
 ###############################################################################
@@ -2029,9 +2071,11 @@ class GrainExecutor:
         print(exer.results)            # in submission order
     """
 
+    opaque = False  # True on a head daemon: job values stay pickled bytes
+
     def __init__(self, rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES, name="local",
                  listen=None, key=None, waddrs=(), max_frame=MAX_FRAME,
-                 listen_optional=False, job_book=None):
+                 listen_optional=False, job_book=None, attach=None, mission_info=None):
         if rpw is not None and not isinstance(rpw, Resource):
             raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
         if isinstance(temporary_err, type):
@@ -2066,6 +2110,15 @@ class GrainExecutor:
         self.job_book = job_book  # (system, JobBook) to watch for jobs that never join
         self._remote = bool(listen or waddrs)  # jobs may leave this process: pickle them
         self._fn_cache = {}
+        # A mission attached to a head daemon: ``attach()`` gives a stream to it, and every
+        # job goes there (see _forward); the link is opened at the first such job.
+        self._attach = attach
+        self.mission_info = mission_info or {}
+        self._link = None
+        self._attaching = False
+        self._closing = False
+        if attach is not None:
+            self._remote = True
         self._budgets = {RETRY_TEMPORARY: self.max_retries, RETRY_INFRA: self.max_retries,
                          RETRY_LOST: self.max_retries, RETRY_RETIRED: RETIRED_RETRIES}
 
@@ -2163,9 +2216,13 @@ class GrainExecutor:
         ``prioritized`` first; among equals, one job per queue per round, and each call
         starts its rounds one queue further along, so a small mission is never stuck behind
         a large one's backlog."""
+        if self._attach is not None:
+            self._forward()
+            return
         queues = self._queues
-        if len(queues) == 1:
-            self._start_from(queues[0], -1)
+        if len(queues) <= 1:
+            if queues:
+                self._start_from(queues[0], -1)
             return
         while self._n_queued:
             started = False
@@ -2207,6 +2264,78 @@ class GrainExecutor:
             w.start(job)
             started += 1
         return started
+
+    def _forward(self):
+        """A mission attached to a head daemon sends every queued job to it at once: the
+        daemon runs the policy above over all its missions."""
+        link, jobs = self._link, self._main_queue.jobs
+        if link is None:
+            if not self._attaching and jobs:
+                self._attaching = True
+                self._nursery.start_soon(self._run_link)
+            return
+        while jobs:
+            job = jobs.popleft()
+            self._n_queued -= 1
+            job.state = "running"
+            job.attempts += 1
+            job.alloc = ZERO
+            job.worker = link
+            link.running += 1
+            link.start(job)
+
+    async def _run_link(self):
+        """Attach to the head daemon and relay its results until the mission ends. If the
+        daemon goes away, the jobs it had are re-submitted (to a new one) as lost."""
+        try:
+            stream = await self._attach()
+        except (GrainError, OSError) as e:
+            self._fail_queued(f"{e}")
+            return
+        channel = Channel(stream, self.max_frame, "the head daemon")
+        link = None
+        why = "went away (its connection closed)"
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.run_writer)
+                try:  # inside the nursery, so the error is not wrapped in a group
+                    channel.send(("mission", self.mission_info))
+                    with trio.move_on_after(HANDSHAKE_TIMEOUT_S + SILENT_S):
+                        reply = await channel.receive()
+                    if not (isinstance(reply, tuple) and reply[:1] == ("attached",)):
+                        raise GrainError(reply[1] if isinstance(reply, tuple) and
+                                         reply[:1] == ("refused",) else
+                                         f"the head did not accept this mission: {reply!r:.80}")
+                    link = self._link = HeadLink(self, channel, reply[1])
+                    log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
+                             link.host, link.log_file)
+                    self._attaching = False
+                    self._pump()
+                    nursery.start_soon(_send_heartbeats, channel)
+                    await self._worker_messages(link, channel)
+                except PeerError as e:
+                    why = f"was dropped ({e})"
+                except GrainError as e:
+                    self._attaching = False
+                    self._fail_queued(f"{e}")
+                nursery.cancel_scope.cancel()
+        finally:
+            self._link = None
+            with trio.CancelScope(shield=True):
+                await channel.aclose()
+            if link is not None and not self._closing:
+                why = f"{why}; its log: {link.log_file}"
+                if link.jobs:
+                    log.warning("the head daemon %s with %d job(s) of this mission; "
+                                "submitting them again", why, len(link.jobs))
+                link.interrupt_all(RETRY_LOST, why)
+
+    def _fail_queued(self, why):
+        jobs = self._main_queue.jobs
+        while jobs:
+            job = jobs.popleft()
+            self._n_queued -= 1
+            self._complete(job, None, GrainError(why))
 
     def add_worker(self, worker):
         self.workers.append(worker)
@@ -2260,6 +2389,16 @@ class GrainExecutor:
         if self._n_queued:
             self._pump()
 
+    def _job_cancelled(self, job):
+        """A job cancelled on its worker has stopped; its mission has gone already."""
+        w = job.worker
+        w.running -= 1
+        w.res.dealloc(job.alloc)
+        job.alloc = None
+        job.state = "failed"
+        if self._n_queued:
+            self._pump()
+
     def _retry_class(self, error):
         if isinstance(error, BrokenSubprocessError):
             return RETRY_INFRA
@@ -2290,9 +2429,7 @@ class GrainExecutor:
             job.state = "done"
             self.counts["done"] += 1
         else:
-            if kind is not None and job.attempts > 1:
-                add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
-                                f"({kind}, {self._budgets[kind]} retries allowed)")
+            self._note_attempts(job, error, kind)
             job.error = error
             job.state = "failed"
             self.counts["failed"] += 1
@@ -2304,6 +2441,11 @@ class GrainExecutor:
         self._outstanding -= 1
         if self._outstanding == 0 and self._all_done is not None:
             self._all_done.set()
+
+    def _note_attempts(self, job, error, kind):
+        if kind is not None and job.attempts > 1:
+            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
+                            f"({kind}, {self._budgets[kind]} retries allowed)")
 
     async def wait_all(self):
         """Wait until every job submitted so far has ended."""
@@ -2434,6 +2576,8 @@ class GrainExecutor:
                         await self._serve_worker(channel, first[1])
                     elif isinstance(first, tuple) and first[:1] == ("cli",):
                         await self._serve_cli(channel, *first[1:])
+                    elif isinstance(first, tuple) and first[:1] == ("mission",):
+                        await self._serve_mission(channel, first[1])
                     elif first is not None:
                         log.warning("peer %s sent an unknown greeting %.60r", peer, first)
                 except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
@@ -2479,7 +2623,7 @@ class GrainExecutor:
             w.interrupt_all(kind, why)
 
     async def _worker_messages(self, w, channel):
-        handlers = {"done": w.on_done, "leaving": w.on_leaving, "ping": lambda: None}
+        handlers = w.message_handlers()
         while True:
             if channel.has_pending_output and not channel.has_buffered_input:
                 await channel.flush()  # the jobs this batch of results let start
@@ -2492,9 +2636,27 @@ class GrainExecutor:
                 raise PeerError(f"unknown message {msg!r:.60}") from None
             handler(*msg[1:])
 
+    async def _serve_mission(self, channel, info):
+        channel.send(("refused", f"the head at {self.listen} runs a mission of its own (pid "
+                                 f"{os.getpid()} on {_hostname()}), not a shared head daemon; "
+                                 "give this mission a different address, or local=..."))
+        channel.close_after_flush()
+        await channel.flushed.wait()
+
+    def _cli_handlers(self):
+        return {"stats": self._cli_stats, "quit": self._cli_quit}
+
     async def _serve_cli(self, channel, cmd, *args):
-        handler = {"stats": self._cli_stats, "quit": self._cli_quit}.get(cmd)
-        reply = handler(*args) if handler else {"error": f"unknown command {cmd!r}"}
+        handler = self._cli_handlers().get(cmd)
+        if handler is None:
+            reply = {"error": f"the head at {self.listen} (pid {os.getpid()}) runs a mission "
+                              f"in-process; `{cmd}` needs a head daemon (`grain.py head`)"
+                     if cmd in ("stop", "scale") else f"unknown command {cmd!r}"}
+        else:
+            try:
+                reply = handler(*args)
+            except (TypeError, ValueError) as e:
+                reply = {"error": f"{cmd}: {e}"}
         channel.send(("reply", reply))
         channel.close_after_flush()
         await channel.flushed.wait()
@@ -2538,7 +2700,7 @@ class GrainExecutor:
     async def _watch_submitted_jobs(self):
         """Report loudly, with its log's tail, a batch job that ended without its worker
         ever joining (instead of leaving the mission waiting in silence)."""
-        system, book = self.job_book
+        system, book, custom = self.job_book
         reported = set()
         while True:
             await trio.sleep(JOB_WATCH_S)
@@ -2547,13 +2709,17 @@ class GrainExecutor:
             if not records:
                 continue
             states = await trio.to_thread.run_sync(batch_states, system,
-                                                   [r["id"] for r in records])
+                                                   [r["id"] for r in records], custom)
             for r in records:
                 if r["id"] not in states:
                     reported.add(r["id"])
-                    log.warning("batch job %s (%s) ended without its worker ever joining; "
-                                "the end of its log %s:\n%s", r["id"], r["name"], r["log"],
-                                _log_tail(r["log"]))
+                    self._warn_all(f"batch job {r['id']} ({r['name']}) ended without its "
+                                   f"worker ever joining; the end of its log {r['log']}:\n"
+                                   f"{_log_tail(r['log'])}")
+
+    def _warn_all(self, message):
+        """A warning for whoever runs missions here."""
+        log.warning("%s", message)
 
     async def _say_goodbye(self, abort=False):
         """FIN to every remote worker (or, when the mission failed, "leave now": no one will
@@ -2623,13 +2789,15 @@ class GrainExecutor:
             if etype is None:
                 await self.wait_all()
         finally:
+            self._closing = True
             with trio.CancelScope(shield=True):
                 await self._say_goodbye(abort=etype is not None)
             await self._stack.__aexit__(None, None, None)
             _RUNTIME.reset(self._rt_token)
             self._nursery = None
             self.elapsed = time.perf_counter() - self._t0
-            log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
+            if not self.opaque:  # (a head daemon runs no jobs of its own)
+                log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:
@@ -2791,20 +2959,34 @@ def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, config_file=None,
                     _mission_options(address, config_file, temporary_err, max_retries, waddrs))
 
 
-def _mission_options(address, config_file, temporary_err, max_retries, waddrs=()):
+def _mission_options(address, config_file, temporary_err, max_retries, waddrs=(),
+                     attach=False, prioritized=False):
     """GrainExecutor arguments for a mission, from run()'s arguments and the config (late
-    binding: the config section is further down)."""
+    binding: the config and head daemon sections are further down). With ``attach``, the
+    mission's jobs go to the head daemon for the address, started if none runs."""
     cfg = load_config(config_file)
     head, worker = cfg.role("head"), cfg.role("worker")
     if address is None:
         address = head.listen
     if address:
         parse_url(address)
+    if attach and address:
+        config = ["-c", cfg.path] if cfg.path else ["--no-config"]
+        log_file = os.path.abspath(_stamp(head.log_file or "grain-head-{{HHMMSS}}.log",
+                                          time.time()))
+        return {"temporary_err": temporary_err, "max_retries": max_retries,
+                "attach": functools.partial(
+                    attach_to_head, address, load_auth_key(head.auth_key or None),
+                    self_argv("head", *config, "-a", address), log_file),
+                "mission_info": {"name": os.path.basename(sys.argv[0]) or "python",
+                                 "pid": os.getpid(), "host": _hostname(),
+                                 "prioritized": bool(prioritized)}}
     watch = worker.system in ("slurm", "pbs") and address
     return {"temporary_err": temporary_err, "max_retries": max_retries,
             "listen": address or None, "waddrs": waddrs, "listen_optional": True,
             "key": load_auth_key(head.auth_key or None) if (address or waddrs) else None,
-            "job_book": (worker.system, JobBook(worker.dial)) if watch else None}
+            "job_book": (worker.system, JobBook(worker.dial), worker.custom_system)
+                         if watch else None}
 
 
 ###############################################################################
@@ -3112,14 +3294,16 @@ def each(*items):
 
 
 def run(main, local=None, config_file=None, *, rpw=None, address=None, temporary_err=(),
-        max_retries=MAX_RETRIES):
+        max_retries=MAX_RETRIES, prioritized=False):
     """Run a delayed mission: ``main`` (an async function, or a list run in parallel).
 
-    ``local`` (alias ``rpw``) is the resource of the in-process worker, e.g.
-    ``Cores([0, 1])``; without it, jobs with resources wait for workers to join.
-    ``config_file``: a path, None (look for one) or False (defaults only). The head listens
-    at ``address`` for workers and CLI clients (default: the Edge file; False: do not
-    listen)."""
+    Without ``local``, jobs that request resources go to the head daemon for ``address``
+    (default: the config's, i.e. the Edge file), which is started in the background if
+    none runs; it keeps its workers for the next mission and shares them between missions
+    (``prioritized=True`` puts this one first). With ``local`` (alias ``rpw``), e.g.
+    ``Cores([0, 1])`` or ``ZERO``, this process is the head, with an in-process worker
+    holding ``local``, and workers may join it at ``address`` (False: do not listen).
+    ``config_file``: a path, None (look for one) or False (defaults only)."""
     if rpw is not None:
         if local is not None:
             raise TypeError("run(): give local= or its alias rpw=, not both")
@@ -3127,7 +3311,8 @@ def run(main, local=None, config_file=None, *, rpw=None, address=None, temporary
     mains = _as_mains(main)
     _default_logging()
     return trio.run(_run_mission, mains, local, not isinstance(main, (list, tuple)),
-                    _mission_options(address, config_file, temporary_err, max_retries))
+                    _mission_options(address, config_file, temporary_err, max_retries,
+                                     attach=local is None, prioritized=prioritized))
 
 
 ###############################################################################
@@ -3321,6 +3506,7 @@ class WorkerProcess:
         self.context = context
         self.functions = {}      # digest -> function (or the exception loading it raised)
         self.running = {}        # job id -> CancelScope
+        self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
         self.accepting = True
         self.leave_after_jobs = None  # the reason to give when the last job ends
         self._nursery = None
@@ -3328,7 +3514,8 @@ class WorkerProcess:
 
     async def serve(self):
         handlers = {"fn": self.on_function, "run": self.on_run, "ping": lambda: None,
-                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave}
+                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
+                    "cancel": self.on_cancel}
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(_send_heartbeats, self.channel)
@@ -3402,6 +3589,10 @@ class WorkerProcess:
                 reply = (False, data)
             self.channel.send(("done", jid, reply[0], reply[1], trio.current_time() - started))
         self.running.pop(jid, None)
+        if jid in self.cancelled:  # its resources are free again: tell the head
+            self.cancelled.discard(jid)
+            if scope.cancelled_caught:
+                self.channel.send(("cancelled", jid))
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.channel.flush()
         if self.leave_after_jobs and not self.running:
@@ -3414,6 +3605,12 @@ class WorkerProcess:
         for scope in self.running.values():
             scope.cancel()
         self.done.set()
+
+    def on_cancel(self, jid):
+        scope = self.running.get(jid)
+        if scope is not None:  # else its result is on its way already
+            self.cancelled.add(jid)
+            scope.cancel()
 
     def on_fin(self):
         log.info("the mission ended; leaving after %d running job(s)", len(self.running))
@@ -3521,18 +3718,22 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     return 0
 
 
+async def _connect_head(address, key):
+    """An authenticated stream to the head listening at ``address``, or None."""
+    scheme, _, where = parse_url(address)
+    if scheme == "edge":
+        with EdgeFile(where).locked() as data:
+            record = data["listener"]
+        if not EdgeFile.live(record):
+            return None
+        return await _try_connect(_order_urls(record), key)
+    return await _try_connect([address], key)
+
+
 async def cli_request(address, key, *msg):
     """Send one command to the head at ``address``; its reply, or None if none answers."""
-    scheme, _, where = parse_url(address)
     with trio.move_on_after(CLI_TIMEOUT_S):
-        if scheme == "edge":
-            with EdgeFile(where).locked() as data:
-                record = data["listener"]
-            if not EdgeFile.live(record):
-                return None
-            stream = await _try_connect(_order_urls(record), key)
-        else:
-            stream = await _try_connect([address], key)
+        stream = await _connect_head(address, key)
         if stream is None:
             return None
         channel = Channel(stream)
@@ -3580,6 +3781,20 @@ def format_ls(stats):
                  f"{by_class(stats['retried_by_class'])}")
     if stats["next"]:
         lines.append(f"next pending job requests {stats['next']}")
+    if "missions" in stats:
+        lines += ["", f"missions: {len(stats['missions'])} attached"]
+        for m in stats["missions"]:
+            lines.append(f"  {m['name']} on {m['host']}{' (prioritized)' if m['prioritized'] else ''}: "
+                         f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
+                         f"{m['failed']} failed")
+    sw = stats.get("swarm")
+    if sw is not None:
+        pending = ", ".join(sw["pending"]) or "none"
+        lines.append(f"swarm: target {sw['target']}, {sw['joined']} joined, "
+                     f"{len(sw['pending'])} submitted not joined ({pending}); quota "
+                     f"{sw['used']}/{sw['quota']} per {format_walltime(sw['window'])}")
+        if sw["note"]:
+            lines.append(f"swarm: {sw['note']}")
     return "\n".join(lines)
 
 
@@ -3692,6 +3907,8 @@ class CustomSystem:
     submit_cmd: str = ""
     directive: str = "#$"
     template: str = ""
+    status_cmd: str = ""   # + job id; exit 0 while the job is queued or running
+    cancel_cmd: str = ""   # + job id
 
 
 @dataclass(frozen=True)
@@ -3712,6 +3929,8 @@ class RoleSettings:
     cmd: str = ""
     idle_quit: float = 1800.0
     swarm: int = 0
+    swarm_quota: int = 0          # submissions per swarm_window; 0 = 2 x swarm
+    swarm_window: float = 600.0
     # [worker]
     dial: str = ""
     cli_dial: str = ""
@@ -3723,11 +3942,13 @@ _COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_
 _SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_str, "walltime": _want_walltime,
                 "cores": _want_positive_int, "memory": _want_positive_number,
                 "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
-_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str}
+_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str,
+                "status_cmd": _want_str, "cancel_cmd": _want_str}
 _ROLE_KEYS = {
     "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
              "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
-             "swarm": _want_count},
+             "swarm": _want_count, "swarm_quota": _want_count,
+             "swarm_window": _want_duration},
     "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
                "cli_dial": _want_str, "res": _want_resources},
 }
@@ -4047,11 +4268,16 @@ def submit(s, script, extra_args=(), role="worker", when=None):
     return job_id
 
 
-def batch_states(system, ids):
-    """``{job id: state}`` for the jobs the batch system still knows (others have ended)."""
+def batch_states(system, ids, custom=None):
+    """``{job id: state}`` for the jobs the batch system still knows (others have ended).
+    A custom system is asked through ``custom.status_cmd``, if it has one."""
     if not ids:
         return {}
     try:
+        if system == "custom" and custom is not None and custom.status_cmd:
+            cmd = shlex.split(custom.status_cmd)
+            return {i: "ALIVE" for i in ids
+                    if subprocess.run(cmd + [i], capture_output=True, timeout=30).returncode == 0}
         if system == "slurm":
             cp = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
                                 capture_output=True, text=True, timeout=30)
@@ -4099,6 +4325,402 @@ def allocation_end():
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
     return None
+
+
+###############################################################################
+# The head daemon #############################################################
+###############################################################################
+# ``python grain.py head``: the scheduler on its own, shared by every mission with the
+# same address, so workers outlive a mission and serve the next one. Missions on this
+# host attach over a per-user Unix socket (missions elsewhere through the address);
+# each hands over jobs as a resource request plus pickled bytes, which the daemon
+# never opens: user code and results are only ever unpickled in missions and workers.
+# The daemon keeps one JobQueue per mission (the executor's _pump serves them fairly),
+# cancels a mission's running jobs when it goes away, quits after head.idle_quit with
+# no mission, and keeps head.swarm workers submitted when asked to.
+
+HEAD_START_S = 20.0    # how long a mission waits for the head daemon it started to answer
+SWARM_CHECK_S = 1.0    # how often the daemon compares its swarm with the target
+SWARM_STATES_S = 5.0   # ... and asks the batch system about jobs that have not joined
+
+
+def mission_socket_path(address):
+    """Where the head daemon for ``address`` takes missions on this host: a Unix socket in
+    /tmp/grain-<uid> (mode 0700; short, and the same for every login and batch job)."""
+    base = f"/tmp/grain-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise GrainError(f"{base} must be a directory of yours that only you can read (mode "
+                         "0700): it holds the head daemon's socket; remove it or chmod 700 it")
+    return os.path.join(base, f"head-{hashlib.sha1(address.encode()).hexdigest()[:16]}.sock")
+
+
+class _OpaqueFunction:
+    """A job function as the daemon holds it: the mission's pickled bytes, never loaded."""
+
+    __slots__ = ("digest", "data", "__name__")
+
+    def __init__(self, digest, data, name):
+        self.digest, self.data, self.__name__ = digest, data, name
+
+
+class MissionQueue(JobQueue):
+    """A mission attached to the daemon: its queue, its connection and its counters."""
+
+    __slots__ = ("channel", "pid", "host", "functions", "done", "failed", "since", "gone")
+
+    def __init__(self, channel, info):
+        super().__init__(f"{info.get('name') or 'mission'}[{info.get('pid')}]",
+                         bool(info.get("prioritized")))
+        self.channel = channel
+        self.pid = info.get("pid")
+        self.host = info.get("host")
+        self.functions = {}   # digest -> _OpaqueFunction
+        self.done = self.failed = 0
+        self.since = time.time()
+        self.gone = False
+
+    def warn(self, message):
+        log.warning("mission %s: %s", self.name, message)
+        self.channel.send(("warn", message))
+
+
+class SwarmKeeper:
+    """Keeps ``target`` workers: joined ones plus worker jobs submitted but not joined yet.
+    At most ``quota`` submissions in any ``window`` seconds, so workers that die at start
+    never turn into a flood of jobs."""
+
+    def __init__(self, settings, target, quota, window):
+        self.settings = settings     # worker RoleSettings: how to submit
+        self.target = target
+        self.quota_setting = quota
+        self.window = window
+        self.submitted = deque()     # times of recent submissions
+        self.pending = {}            # batch job id -> submission time, until it joins or ends
+        self.note = ""               # why it is not at target, for `ls`
+
+    @property
+    def quota(self):
+        return self.quota_setting or 2 * self.target
+
+    def quota_wait(self, now):
+        """Seconds until another submission is allowed (0: now)."""
+        while self.submitted and self.submitted[0] <= now - self.window:
+            self.submitted.popleft()
+        if len(self.submitted) < self.quota:
+            return 0.0
+        return self.submitted[0] + self.window - now
+
+    def statistics(self, joined):
+        return {"target": self.target, "joined": joined, "pending": sorted(self.pending),
+                "quota": self.quota, "window": self.window,
+                "used": len(self.submitted), "note": self.note}
+
+
+class HeadDaemon(GrainExecutor):
+    """A head that runs no mission: it schedules the jobs of every attached mission onto
+    its workers (see ``GrainExecutor._pump`` for the policy between missions)."""
+
+    opaque = True
+
+    def __init__(self, listen, key, *, idle_quit=1800.0, mission_socket=None, job_book=None,
+                 swarm=None, log_file=""):
+        super().__init__(None, name="head", listen=listen, key=key, job_book=job_book)
+        self._queues = []          # one per attached mission
+        self.missions = []
+        self.mission_socket = mission_socket
+        self.idle_quit = idle_quit
+        self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
+        self.log_file = log_file
+        self.stopped = trio.Event()
+        self._missions_changed = trio.Event()
+        self._swarm_changed = trio.Event()
+
+    def _function_bytes(self, fn):
+        return fn.digest, fn.data
+
+    # -- missions -------------------------------------------------------------
+    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(super()._serve)
+            if self.mission_socket:
+                listener = await _unix_listener(self.mission_socket)
+                nursery.start_soon(self._serve_mission_socket, listener)
+            nursery.start_soon(self._watch_idle)
+            if self.swarm is not None:
+                nursery.start_soon(self._keep_swarm)
+            task_status.started(urls)
+
+    async def _serve_mission_socket(self, listener):
+        try:
+            await trio.serve_listeners(self._on_accept, [listener])
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self.mission_socket)
+
+    def _changed(self):
+        self._missions_changed.set()
+        self._missions_changed = trio.Event()
+
+    async def _serve_mission(self, channel, info):
+        if not isinstance(info, dict):
+            raise PeerError(f"a mission greeting must be a dict, got {info!r:.60}")
+        m = MissionQueue(channel, info)
+        self.missions.append(m)
+        self._queues.append(m)
+        self._changed()
+        channel.send(("attached", {"pid": os.getpid(), "host": _hostname(),
+                                   "log": self.log_file}))
+        log.info("mission %s attached from %s%s", m.name, m.host,
+                 " (prioritized)" if m.prioritized else "")
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_send_heartbeats, channel)
+                nursery.start_soon(_watch_silence, channel, nursery.cancel_scope.cancel,
+                                   MISSION_SILENT_S)
+                try:  # inside the nursery, so the error is not wrapped in a group
+                    await self._mission_messages(m, channel)
+                except PeerError as e:
+                    log.warning("mission %s dropped: %s", m.name, e)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._detach(m)
+
+    async def _mission_messages(self, m, channel):
+        while True:
+            msg = await channel.receive()
+            if msg is None:
+                return
+            if not isinstance(msg, tuple) or not msg:
+                raise PeerError(f"unknown message {msg!r:.60}")
+            if msg[0] == "job":
+                self._accept_job(m, *msg[1:])
+            elif msg[0] == "fn":
+                digest, data, name = msg[1:]
+                m.functions[digest] = _OpaqueFunction(digest, data, name)
+            elif msg[0] != "ping":
+                raise PeerError(f"unknown message {msg!r:.60}")
+
+    def _accept_job(self, m, ref, req, digest, payload):
+        fn = m.functions.get(digest)
+        if fn is None or not isinstance(req, Resource) or not req._parts():
+            raise PeerError(f"job {ref!r}: unknown function or no resource request")
+        job = Job(next(self._ids), req, fn, None, None, m)
+        job.ref = ref
+        job.payload = payload
+        self._enqueue(job)
+
+    def _detach(self, m):
+        """The mission ended or died: drop its queue, cancel what still runs for it."""
+        m.gone = True
+        self.missions.remove(m)
+        self._queues.remove(m)
+        dropped = len(m.jobs)
+        self._n_queued -= dropped
+        m.jobs.clear()
+        cancelled = 0
+        for w in self.workers:
+            for job in list(getattr(w, "jobs", {}).values()):
+                if job.queue is m:
+                    w.cancel(job)
+                    cancelled += 1
+        self._changed()
+        log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
+                 f"; dropped {dropped} queued and cancelled {cancelled} running job(s)"
+                 if dropped or cancelled else "")
+        if self._n_queued:
+            self._pump()
+
+    def _retry(self, job, kind, error):
+        return not job.queue.gone and super()._retry(job, kind, error)
+
+    def _complete(self, job, value, error, kind=None):
+        m = job.queue
+        if error is None:
+            ok, data = value
+        else:
+            self._note_attempts(job, error, kind)
+            ok, data = False, dumps_job_value((error, ""), "")
+        job.state = "done" if ok else "failed"
+        self.counts[job.state] += 1
+        if m.gone:
+            return
+        if ok:
+            m.done += 1
+        else:
+            m.failed += 1
+        m.channel.send(("done", job.ref, ok, data, job.duration or 0.0))
+
+    def _warn_all(self, message):
+        super()._warn_all(message)
+        for m in self.missions:
+            m.channel.send(("warn", message))
+
+    async def _watch_idle(self):
+        while True:
+            if self.missions:
+                await self._missions_changed.wait()
+                continue
+            with trio.move_on_after(self.idle_quit) as idle:
+                await self._missions_changed.wait()
+            if idle.cancelled_caught:
+                log.info("no mission for %s; stopping", format_walltime(self.idle_quit))
+                self.stopped.set()
+                return
+
+    # -- the swarm --------------------------------------------------------------
+    async def _keep_swarm(self):
+        sw = self.swarm
+        last_states = -math.inf
+        while True:
+            with trio.move_on_after(SWARM_CHECK_S):
+                await self._swarm_changed.wait()
+            self._swarm_changed = trio.Event()
+            now = trio.current_time()
+            if sw.pending and now - last_states >= SWARM_STATES_S:
+                last_states = now
+                states = await trio.to_thread.run_sync(
+                    batch_states, sw.settings.system, list(sw.pending),
+                    sw.settings.custom_system)
+                for job_id in list(sw.pending):
+                    if job_id not in states:
+                        log.warning("worker job %s ended without joining", job_id)
+                        del sw.pending[job_id]
+            joined = sum(1 for w in self.workers if isinstance(w, RemoteWorker))
+            missing = sw.target - joined - len(sw.pending)
+            if missing <= 0:
+                sw.note = ""
+                continue
+            wait = sw.quota_wait(time.time())
+            if wait > 0:
+                sw.note = (f"quota reached: {len(sw.submitted)} submissions in the last "
+                           f"{format_walltime(sw.window)}; the next is allowed in "
+                           f"{format_walltime(wait)}")
+                continue
+            sw.note = ""
+            sw.submitted.append(time.time())
+            try:
+                job_id = await trio.to_thread.run_sync(self._submit_worker_job)
+            except GrainError as e:
+                sw.note = f"the last submission failed: {e}"
+                log.warning("swarm: %s", sw.note)
+                continue
+            sw.pending[job_id] = time.time()
+            log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
+                     job_id, joined, len(sw.pending), sw.target)
+
+    def _submit_worker_job(self):
+        s = self.swarm.settings
+        when = time.time()
+        return submit(s, render_script(s, worker_command(s), when), (), "worker", when)
+
+    def add_worker(self, worker):
+        if self.swarm is not None:
+            self.swarm.pending.pop(worker.job_id, None)
+        super().add_worker(worker)
+
+    def remove_worker(self, worker):
+        super().remove_worker(worker)
+        self._swarm_changed.set()
+
+    # -- the command line -----------------------------------------------------------
+    def _cli_handlers(self):
+        return dict(super()._cli_handlers(), stop=self._cli_stop, scale=self._cli_scale)
+
+    def _cli_stop(self):
+        self.stopped.set()
+        return {"done": [f"the head daemon (pid {os.getpid()}) stops: FIN to "
+                         f"{len(self.workers)} worker(s), {len(self.missions)} mission(s) "
+                         "detached"]}
+
+    def _cli_scale(self, n):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"the number of workers must be a whole number >= 0, got {n!r}")
+        if self.swarm is None:
+            raise ValueError("this head has no batch system to submit workers to: set system "
+                             "= \"slurm\", \"pbs\" or \"custom\" in its grain.toml")
+        self.swarm.target = n
+        self._swarm_changed.set()
+        return {"done": [f"swarm target: {n} worker(s)" if n else "autoscaling is off"]}
+
+    def _cli_stats(self):
+        stats = super()._cli_stats()
+        running = {}
+        for w in self.workers:
+            for job in getattr(w, "jobs", {}).values():
+                running[job.queue] = running.get(job.queue, 0) + 1
+        stats["missions"] = [{"name": m.name, "host": m.host, "prioritized": m.prioritized,
+                              "queued": len(m.jobs), "running": running.get(m, 0),
+                              "done": m.done, "failed": m.failed,
+                              "since": m.since} for m in self.missions]
+        if self.swarm is not None:
+            stats["swarm"] = self.swarm.statistics(
+                sum(1 for w in self.workers if isinstance(w, RemoteWorker)))
+        return stats
+
+
+async def head_main(s, worker, key, idle_quit=None):
+    """Run the head daemon for head settings ``s`` until stopped, idle or signalled."""
+    swarm = None
+    if worker.system:
+        swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window)
+    daemon = HeadDaemon(
+        s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
+        mission_socket=mission_socket_path(s.listen),
+        job_book=(worker.system, JobBook(worker.dial), worker.custom_system)
+        if worker.system else None, swarm=swarm, log_file=os.environ.get("GRAIN_HEAD_LOG", ""))
+    async with daemon:
+        log.info("head daemon pid %d at %s; missions on this host attach at unix://%s",
+                 os.getpid(), s.listen, daemon.mission_socket)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                async def on_signal():
+                    async for signum in signals:
+                        log.info("got %s; stopping", signal.Signals(signum).name)
+                        daemon.stopped.set()
+
+                nursery.start_soon(on_signal)
+                await daemon.stopped.wait()
+                nursery.cancel_scope.cancel()
+    return 0
+
+
+def spawn_head(argv, log_file):
+    """Start a head daemon detached from this process (own session: a Ctrl-C of the
+    mission does not reach it), its output going to ``log_file``."""
+    os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+    with open(log_file, "ab") as out:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True,
+                                env=dict(os.environ, GRAIN_HEAD_LOG=log_file))
+
+
+async def attach_to_head(address, key, argv, log_file):
+    """A stream to the head daemon for ``address``: the one on this host, else one listening
+    at the address elsewhere, else a new one started here with ``argv``."""
+    sock = [f"unix://{mission_socket_path(address)}"]
+    stream = await _try_connect(sock, key) or await _connect_head(address, key)
+    if stream is not None:
+        return stream
+    t0 = trio.current_time()
+    proc = spawn_head(argv, log_file)
+    log.info("started a head daemon (pid %d) for %s; its log: %s", proc.pid, address, log_file)
+    while True:
+        await trio.sleep(0.005)
+        stream = await _try_connect(sock, key)
+        if stream is not None:
+            return stream
+        if proc.poll() is not None:  # it may have lost a race with another one: try that
+            stream = await _try_connect(sock, key) or await _connect_head(address, key)
+            if stream is not None:
+                return stream
+            raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
+                             f"answering; the end of its log {log_file}:\n{_log_tail(log_file)}")
+        if trio.current_time() - t0 > HEAD_START_S:
+            raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
+                             f"{HEAD_START_S:g} s; see its log {log_file}")
 
 
 ###############################################################################
@@ -4390,6 +5012,27 @@ def build_parser():
     config(p)
     common(p)
 
+    p = sub.add_parser("head", help="run the head daemon: a scheduler shared by missions, "
+                       "keeping workers between them (missions start one when none runs)")
+    config(p)
+    p.add_argument("--no-config", action="store_true", help="use the defaults, ignore "
+                   "./grain.toml and $GRAIN_CONFIG")
+    p.add_argument("-a", "--address", help="where to listen (default: head.listen)")
+    p.add_argument("--idle-quit", metavar="DURATION",
+                   help="quit after this long without missions (default: head.idle_quit)")
+    common(p)
+
+    p = sub.add_parser("stop", help="stop the head daemon (its workers get FIN)")
+    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
+    config(p)
+    common(p)
+
+    p = sub.add_parser("scale", help="keep N workers submitted (0: autoscaling off)")
+    p.add_argument("n", type=int, metavar="N", help="the number of workers")
+    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
+    config(p)
+    common(p)
+
     p = sub.add_parser("up", help="submit worker jobs to the batch system")
     config(p)
     p.add_argument("-n", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -4446,12 +5089,13 @@ def _cli_target(args):
     return s, args.address or s.cli_dial, load_auth_key(args.key or s.auth_key or None)
 
 
-def format_jobs(book, system, joined):
+def format_jobs(book, s, joined):
     """Lines about submitted batch jobs whose worker has not joined (yet)."""
     records = [r for r in book.waiting() if r["id"] not in joined]
     if not records:
         return []
-    states = batch_states(system or records[0].get("system"), [r["id"] for r in records])
+    states = batch_states(s.system or records[0].get("system"), [r["id"] for r in records],
+                          s.custom_system)
     lines = ["", "submitted, not joined:"]
     for r in records:
         state = states.get(r["id"])
@@ -4464,11 +5108,47 @@ def format_jobs(book, system, joined):
     return lines
 
 
+def _cli_call(address, key, *msg):
+    """Send one command to the head; GrainError if none answers or it refuses."""
+    reply = trio.run(cli_request, address, key, *msg)
+    if reply is None:
+        raise GrainError(f"no head is listening at {address}")
+    if "error" in reply:
+        raise GrainError(reply["error"])
+    return reply
+
+
+def _cmd_head(args):
+    cfg = load_config(False if args.no_config else args.config)
+    s, worker = cfg.role("head"), cfg.role("worker")
+    if args.address:
+        parse_url(args.address)
+        s, worker = replace(s, listen=args.address), replace(worker, dial=args.address)
+    idle_quit = parse_duration(args.idle_quit, "--idle-quit") if args.idle_quit else None
+    key = load_auth_key(args.key or s.auth_key or None)
+    return trio.run(head_main, s, worker, key, idle_quit)
+
+
+def _cmd_stop(args):
+    s, address, key = _cli_target(args)
+    for line in _cli_call(address, key, "stop")["done"]:
+        print(line)
+    return 0
+
+
+def _cmd_scale(args):
+    if args.n < 0:
+        raise UsageError(f"N must be a whole number >= 0, got {args.n}")
+    s, address, key = _cli_target(args)
+    for line in _cli_call(address, key, "scale", args.n)["done"]:
+        print(line)
+    return 0
+
+
 def _cmd_ls(args):
     s, address, key = _cli_target(args)
     stats = trio.run(cli_request, address, key, "stats")
-    jobs = format_jobs(JobBook(address), s.system, set(stats["joined_job_ids"]) if stats
-                       else set())
+    jobs = format_jobs(JobBook(address), s, set(stats["joined_job_ids"]) if stats else set())
     if stats is None:
         if jobs:
             print("\n".join(jobs[1:]))
@@ -4519,6 +5199,7 @@ def _cmd_start(args):
 
 def _cmd_down(args):
     cfg = load_config(args.config)
+    custom = cfg.role("worker").custom_system
     books = {b.path: b for b in (JobBook(cfg.role("worker").dial),
                                  JobBook(cfg.role("head").listen))}
     cancelled = 0
@@ -4528,7 +5209,7 @@ def _cmd_down(args):
             by_system.setdefault(r.get("system"), []).append(r)
         live = set()
         for system, records in by_system.items():
-            live |= set(batch_states(system, [r["id"] for r in records]))
+            live |= set(batch_states(system, [r["id"] for r in records], custom))
 
         def cancel_live(records):
             nonlocal cancelled
@@ -4537,6 +5218,8 @@ def _cmd_down(args):
                 if r["id"] not in live:
                     continue  # ended already: forget it
                 cancel = SYSTEMS.get(r.get("system"), {}).get("cancel")
+                if r.get("system") == "custom" and custom.cancel_cmd:
+                    cancel = shlex.split(custom.cancel_cmd)
                 if not cancel:
                     print(f"job {r['id']} ({r['name']}): no cancel command for system "
                           f"{r.get('system')!r}; cancel it yourself")
@@ -4560,10 +5243,7 @@ def _cmd_down(args):
 
 def _cmd_quit(args):
     s, address, key = _cli_target(args)
-    reply = trio.run(cli_request, address, key, "quit", args.pattern, args.force)
-    if reply is None:
-        raise GrainError(f"no head is listening at {address}")
-    for line in reply["done"]:
+    for line in _cli_call(address, key, "quit", args.pattern, args.force)["done"]:
         print(line)
     return 0
 
@@ -4573,8 +5253,9 @@ def _cmd_pack(args):
     return 0
 
 
-_COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit, "up": _cmd_up,
-             "down": _cmd_down, "start": _cmd_start}
+_COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit,
+             "up": _cmd_up, "down": _cmd_down, "start": _cmd_start, "head": _cmd_head,
+             "stop": _cmd_stop, "scale": _cmd_scale}
 
 
 def main(argv=None):

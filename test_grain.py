@@ -38,6 +38,32 @@ from grain.subproc import BrokenSubprocessError, subprocify, subprocess_pool_sco
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRAIN = os.path.join(HERE, "grain.py")
+
+
+def head_daemons():
+    """Pids of the head daemons (`grain.py head`) running now."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"head" in argv and any(a.endswith(b"grain.py") or a.endswith(b".pyz")
+                                   for a in argv):
+            pids.add(int(entry))
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_daemon_outlives_its_test():
+    """A head daemon a test started (through run()) is stopped when the test ends, as a
+    user's would be by idle_quit; a test that checks its end stops it itself."""
+    before = head_daemons()
+    yield
+    for pid in head_daemons() - before:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
 trio_test = pytest.mark.trio
 
 
@@ -1388,9 +1414,10 @@ def test_a_worker_that_loses_its_head_leaves(workers, tmp_path):
     head = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, trio; sys.path.insert(0, {HERE!r})
         from grain.delayed import run
+        from grain.resource import ZERO
         async def main():
             await trio.sleep(60)
-        run(main, address="edge://{edge}")
+        run(main, local=ZERO, address="edge://{edge}")   # this process is the head
     """)], cwd=HERE)
     try:
         w = workers.start("--url", f"edge://{edge}", name="orphan")
@@ -1681,7 +1708,12 @@ def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
         # Each worker offers the core Slurm allocated to its job, not both "core 0".
         cores = {r[1]: tuple(r[3]) for r in results}
         assert len(cores) == 2 and len(set(cores.values())) == 2, cores
-        # After the mission: no allocation lingers, and the deferred cleanup ran in both.
+        # After the mission the head daemon keeps the workers for the next one; `stop`
+        # sends them FIN: then no allocation lingers, and the deferred cleanup ran in both.
+        ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+        assert "2 worker(s)" in ls.stdout and "missions: 0 attached" in ls.stdout, ls.stdout
+        stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path)
+        assert stop.returncode == 0 and "FIN to 2 worker(s)" in stop.stdout, stop.stderr
         wait_for(lambda: not (squeue_ids() & set(ids)), 60, "the jobs to leave squeue")
         if system == "slurm":
             wait_for(lambda: all((tmp_path / f"cleaned-{i}").exists() for i in ids), 10,
@@ -1724,7 +1756,8 @@ def test_the_mission_head_reports_a_job_that_never_joins(tmp_path, slurm_cleanup
     cfg = slurm_config(tmp_path, python="/nonexistent/python3")
     mission = tmp_path / "mission.py"
     mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)).replace(
-        "from grain import GVAR", "from grain import GVAR\nimport grain\ngrain.JOB_WATCH_S = 1"))
+        "from grain import GVAR", "from grain import GVAR\nimport grain\ngrain.JOB_WATCH_S = 1"
+    ).replace("run(main, ", "run(main, local=grain.ZERO, "))  # this process is the head
     head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
