@@ -5272,7 +5272,15 @@ def main(argv=None):
     if args.verbose:
         log.setLevel(logging.DEBUG)
     try:
-        return _COMMANDS[args.command](args)
+        try:
+            return _COMMANDS[args.command](args)
+        except BaseExceptionGroup as group:  # one error out of nested nurseries: show it
+            leaf = group
+            while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+                leaf = leaf.exceptions[0]
+            if leaf is group:
+                raise
+            raise leaf from None
     except (UsageError, ValueError) as e:
         print(f"grain.py {args.command}: {e}", file=sys.stderr)
         return 2

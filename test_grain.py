@@ -10,6 +10,8 @@ import pathlib
 import pickle
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -1431,6 +1433,238 @@ def test_a_worker_that_loses_its_head_leaves(workers, tmp_path):
     finally:
         head.kill()
         head.wait()
+
+
+# -- the head daemon (issue 6) -------------------------------------------------------
+
+DAEMON_MISSION = textwrap.dedent("""
+    import json, os, sys, time, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def job(seconds, marker):
+        started = time.time()
+        try:
+            await trio.sleep(seconds)
+        except trio.Cancelled:
+            if marker:
+                with open(marker, "w") as f:
+                    f.write("cancelled")
+            raise
+        return os.getpid(), started
+
+    async def main():
+        n, seconds = int(sys.argv[1]), float(sys.argv[2])
+        marker = sys.argv[3] if len(sys.argv) > 3 else ""
+        return await each((job @ Cores(1))(seconds, marker) for i in range(n))
+
+    results = run(main, config_file={config!r}, prioritized="--first" in sys.argv)
+    print(json.dumps({{"pids": sorted({{p for p, _ in results}}),
+                      "starts": [s for _, s in results], "end": time.time()}}), flush=True)
+""")
+
+
+class Daemon:
+    """A config for one address in tmp_path, missions using it, and the CLI."""
+
+    def __init__(self, tmp_path, workers, extra=""):
+        self.tmp_path, self.workers = tmp_path, workers
+        self.edge = f"edge://{tmp_path}/edge"
+        self.config = tmp_path / "grain.toml"
+        self.config.write_text(f'address = "{self.edge}"\n[head]\n'
+                               f'log_file = "{tmp_path}/head.log"\n{extra}')
+        self.script = tmp_path / "mission.py"
+        self.script.write_text(DAEMON_MISSION.format(here=HERE, config=str(self.config)))
+        self.missions = []
+
+    def worker(self, cores=1, name="w"):
+        return self.workers.start("--url", self.edge, "--res",
+                                  f'{{"Cores": {{"N": {cores}}}}}', name=name)
+
+    def mission(self, *args):
+        p = subprocess.Popen([sys.executable, str(self.script), *map(str, args)],
+                             cwd=self.tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        self.missions.append(p)
+        return p
+
+    @staticmethod
+    def result(p, timeout=60):
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        return _json.loads(out.strip().splitlines()[-1])
+
+    def cli(self, *args):
+        return subprocess.run([sys.executable, GRAIN, *args, "-c", str(self.config)],
+                              capture_output=True, text=True, cwd=self.tmp_path, timeout=60)
+
+    def wait_ls(self, text, timeout=30):
+        seen = {}
+
+        def shows():
+            seen["ls"] = self.cli("ls").stdout
+            return text in seen["ls"]
+
+        try:
+            wait_for(shows, timeout, f"`ls` to show {text!r}")
+        except AssertionError:
+            raise AssertionError(seen.get("ls")) from None
+        return seen["ls"]
+
+    def close(self):
+        for p in self.missions:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def daemon(tmp_path, workers):
+    d = Daemon(tmp_path, workers)
+    yield d
+    d.close()
+
+
+def test_missions_share_the_head_daemon_fairly_and_reuse_its_worker(daemon):
+    w = daemon.worker(cores=1)
+    big = daemon.mission(10, 0.3)        # 3 s of jobs on the one core
+    ls = daemon.wait_ls("missions: 1 attached")
+    assert "mission.py[" in ls and "1 worker(s)" in ls
+    small = daemon.mission(2, 0.1)       # arrives behind 9 queued jobs
+    small_r, big_r = daemon.result(small), daemon.result(big)
+    # Round robin between missions: the small one did not wait for the big one's backlog.
+    assert small_r["end"] < big_r["end"]
+    assert min(small_r["starts"]) < max(big_r["starts"])
+    assert small_r["pids"] == big_r["pids"] == [w.pid]
+    # The next mission finds the same worker process: the daemon kept it.
+    assert daemon.result(daemon.mission(1, 0))["pids"] == [w.pid]
+    ls = daemon.wait_ls("missions: 0 attached")
+    assert "13 done" in ls
+    stop = daemon.cli("stop")
+    assert stop.returncode == 0 and "FIN to 1 worker(s)" in stop.stdout
+    assert w.wait(15) == 0
+    wait_for(lambda: not head_daemons() & set(_daemon_pids(daemon.tmp_path)), 15,
+             "the daemon to exit")
+
+
+def _daemon_pids(tmp_path):
+    log = (tmp_path / "head.log").read_text()
+    return {int(p) for p in re.findall(r"head daemon pid (\d+)", log)}
+
+
+def test_a_prioritized_mission_goes_first(daemon):
+    daemon.worker(cores=1)
+    normal = daemon.mission(12, 0.2)
+    daemon.wait_ls("missions: 1 attached")
+    first = daemon.mission(4, 0.2, "", "--first")
+    first_r, normal_r = daemon.result(first), daemon.result(normal)
+    lo, hi = min(first_r["starts"]), max(first_r["starts"])
+    # Once it arrived, none of the other mission's jobs started until it had all of its own.
+    assert not [s for s in normal_r["starts"] if lo < s < hi], (first_r, normal_r)
+    assert hi < max(normal_r["starts"])
+
+
+def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, tmp_path):
+    w = daemon.worker(cores=1)
+    marker = tmp_path / "cancelled"
+    doomed = daemon.mission(3, 60, marker)
+    daemon.wait_ls("1 running")
+    doomed.kill()                        # kill -9: no goodbye from the mission
+    wait_for(marker.exists, 15, "the job to be cancelled on the worker")
+    ls = daemon.wait_ls("missions: 0 attached")
+    assert "0 queued, 0 running" in ls
+    # The core is free again: another mission runs on the same worker.
+    assert daemon.result(daemon.mission(2, 0.05))["pids"] == [w.pid]
+    log = (tmp_path / "head.log").read_text()
+    assert "dropped 2 queued and cancelled 1 running job(s)" in log
+
+
+def test_an_idle_head_daemon_quits_and_cleans_up(tmp_path, workers):
+    edge = tmp_path / "edge"
+    w = workers.start("--url", f"edge://{edge}", "--res", '{"Cores": {"N": 1}}', name="w")
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "--no-config", "-a",
+                             f"edge://{edge}", "--idle-quit", "2s"], cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True)
+    sock = grain.mission_socket_path(f"edge://{edge}")
+    try:
+        wait_for(lambda: os.path.exists(sock), 15, "the mission socket")
+        assert stat.S_IMODE(os.stat(sock).st_mode) & 0o077 == 0
+        assert head.wait(20) == 0
+    finally:
+        head.kill()
+    err = head.stderr.read()
+    assert "no mission for 0:00:02; stopping" in err
+    assert w.wait(15) == 0 and "the mission ended" in w.log_path.read_text()
+    assert not os.path.exists(sock)
+    assert _json.loads(edge.read_text())["listener"] is None
+
+
+def test_head_daemon_bad_input(tmp_path):
+    edge = f"edge://{tmp_path}/edge"
+    sock = grain.mission_socket_path(edge)
+    # A stale socket file left by a crashed daemon (nobody listens on it) is recovered from.
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(sock)
+    s.close()
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "--no-config", "-a", edge],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        def cli(*args):
+            return subprocess.run([sys.executable, GRAIN, *args], capture_output=True,
+                                  text=True, cwd=tmp_path, timeout=60)
+
+        wait_for(lambda: cli("ls", "-a", edge).returncode == 0, 15, "the daemon")
+        # A second daemon for the same address refuses, naming the live one.
+        second = cli("head", "--no-config", "-a", edge)
+        assert second.returncode == 1
+        assert f"already listening at {edge} (pid {head.pid}" in second.stderr
+        assert second.stderr.strip().splitlines()[-1].startswith(
+            f"grain.py head: a head is already listening at {edge}")
+        neg = cli("scale", "-1", "-a", edge)
+        assert neg.returncode == 2 and "got -1" in neg.stderr
+        no_system = cli("scale", "2", "-a", edge)
+        assert no_system.returncode == 1 and "no batch system" in no_system.stderr
+        assert cli("stop", "-a", edge).returncode == 0
+        assert head.wait(15) == 0
+        gone = cli("stop", "-a", edge)
+        assert gone.returncode == 1 and "no head is listening" in gone.stderr
+    finally:
+        head.kill()
+        head.wait()
+
+
+def test_a_mission_refused_by_an_in_process_head_says_why(tmp_path):
+    edge = f"edge://{tmp_path}/edge"
+    code = textwrap.dedent(f"""
+        import sys, trio; sys.path.insert(0, {HERE!r})
+        from grain.delayed import run
+        from grain.resource import ZERO
+        async def main():
+            await trio.sleep(30)
+        run(main, local=ZERO, address={edge!r}, config_file=False)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (tmp_path / "edge").exists(), 15, "the mission head")
+        time.sleep(0.5)
+        cp = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, trio; sys.path.insert(0, {HERE!r})
+            from grain.delayed import delayed, run
+            from grain.resource import Cores
+            @delayed
+            async def f():
+                return 1
+            async def main():
+                return await (f @ Cores(1))()
+            run(main, address={edge!r}, config_file=False)
+        """)], capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cp.returncode == 1
+    assert "runs a mission of its own" in cp.stderr and "local=" in cp.stderr
 
 
 def test_worker_resources_come_from_the_affinity_set():
