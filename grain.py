@@ -3663,7 +3663,10 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     """Run a worker until it leaves. Returns the exit code."""
     key = load_auth_key(key_path)
     context = _load_context(context_file) if context_file else None
-    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+    # Its batch job, as the submit command named it: a custom system's template exports
+    # GRAIN_JOB_ID, so the head knows which submission has joined.
+    job_id = (os.environ.get("GRAIN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+              or os.environ.get("PBS_JOBID"))
     name = name or (f"{_hostname()}-{job_id}" if job_id else _hostname())
     provider = None
     if listen:

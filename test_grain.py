@@ -1667,6 +1667,102 @@ def test_a_mission_refused_by_an_in_process_head_says_why(tmp_path):
     assert "runs a mission of its own" in cp.stderr and "local=" in cp.stderr
 
 
+SUBMIT_LOCAL = textwrap.dedent("""
+    # A "batch system" for tests: runs the job script here, in the background; the job id
+    # is the script's pid. Every submission is logged.
+    import subprocess, sys
+    script = sys.argv[-1]
+    log = open(script + ".out", "w")
+    p = subprocess.Popen(["bash", script], stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    with open({submissions!r}, "a") as f:
+        f.write(f"{{p.pid}}\\n")
+    print(p.pid)
+""")
+
+JOB_ALIVE = textwrap.dedent("""
+    import sys
+    try:
+        state = open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        sys.exit(1)
+    sys.exit(0 if state != "Z" else 1)
+""")
+
+
+def swarm_daemon(tmp_path, workers, template, swarm=0, quota=2):
+    submissions = tmp_path / "submissions"
+    (tmp_path / "submit.py").write_text(SUBMIT_LOCAL.format(submissions=str(submissions)))
+    (tmp_path / "alive.py").write_text(JOB_ALIVE)
+    d = Daemon(tmp_path, workers, extra=f"swarm = {swarm}\nswarm_quota = {quota}\n")
+    d.config.write_text(textwrap.dedent(f"""
+        system = "custom"
+        address = "{d.edge}"
+        [script]
+        python = "{sys.executable}"
+        cores = 1
+        [custom_system]
+        submit_cmd = "{sys.executable} {tmp_path}/submit.py"
+        status_cmd = "{sys.executable} {tmp_path}/alive.py"
+        template = "{template}"
+        [worker]
+        log_file = "{tmp_path}/worker-{{{{HHMMSS}}}}.log"
+    """) + d.config.read_text().split("\n", 1)[1])
+    d.submissions = lambda: submissions.read_text().split() if submissions.exists() else []
+    return d
+
+
+def _worker_pids(ls):
+    return [int(p) for p in re.findall(r"pid (\d+) on ", ls)]
+
+
+def test_the_swarm_replaces_a_worker_that_dies_within_its_quota(tmp_path, workers):
+    d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\nexport GRAIN_JOB_ID=$$\\n{main}\\n", swarm=1, quota=2)
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        ls = d.wait_ls("swarm: target 1, 1 joined, 0 submitted")
+        (first,) = _worker_pids(ls)
+        # A job runs on the swarm's worker.
+        assert d.result(d.mission(1, 0))["pids"] == [first]
+        os.kill(first, signal.SIGKILL)   # the worker dies: a second one is submitted
+        ls = d.wait_ls("swarm: target 1, 1 joined, 0 submitted")
+        (second,) = _worker_pids(ls)
+        assert second != first and len(d.submissions()) == 2
+        os.kill(second, signal.SIGKILL)  # again: the quota (2 per 10 minutes) says no
+        ls = d.wait_ls("swarm: quota reached: 2 submissions in the last 0:10:00")
+        assert "target 1, 0 joined, 0 submitted" in ls
+        time.sleep(2)
+        assert len(d.submissions()) == 2
+        assert d.cli("stop").returncode == 0
+        assert head.wait(15) == 0
+    finally:
+        head.kill()
+        head.wait()
+
+
+def test_the_swarm_quota_holds_when_workers_crash_at_start(tmp_path, workers):
+    d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\necho cannot start >&2\\nexit 3\\n",
+                     swarm=0, quota=3)
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        d.wait_ls("swarm: target 0")
+        scale = d.cli("scale", "2")      # on the fly
+        assert scale.returncode == 0 and "swarm target: 2 worker(s)" in scale.stdout
+        ls = d.wait_ls("swarm: quota reached: 3 submissions", timeout=60)
+        assert "target 2, 0 joined" in ls
+        time.sleep(3)
+        assert len(d.submissions()) == 3  # not a flood: the quota holds
+        assert d.cli("scale", "0").stdout.strip() == "autoscaling is off"
+        assert d.cli("stop").returncode == 0
+        assert head.wait(15) == 0
+    finally:
+        head.kill()
+        head.wait()
+    assert "ended without joining" in head.stderr.read()
+
+
 def test_worker_resources_come_from_the_affinity_set():
     allowed = sorted(os.sched_getaffinity(0))
     full = grain.worker_provider()
