@@ -1492,8 +1492,8 @@ class Daemon:
 
     @staticmethod
     def result(p, timeout=60):
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err
+        out, p.err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, p.err
         return _json.loads(out.strip().splitlines()[-1])
 
     def cli(self, *args):
@@ -1579,6 +1579,19 @@ def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, t
     assert daemon.result(daemon.mission(2, 0.05))["pids"] == [w.pid]
     log = (tmp_path / "head.log").read_text()
     assert "dropped 2 queued and cancelled 1 running job(s)" in log
+
+
+def test_a_mission_whose_head_daemon_dies_submits_its_jobs_again(daemon, tmp_path):
+    first = daemon.worker(cores=1, name="w1")
+    mission = daemon.mission(2, 3)
+    daemon.wait_ls("1 running")
+    (pid,) = _daemon_pids(tmp_path)
+    os.kill(pid, signal.SIGKILL)         # the daemon dies; its worker leaves
+    assert first.wait(15) == 0
+    second = daemon.worker(cores=1, name="w2")   # waits on the Edge file for a new head
+    assert daemon.result(mission)["pids"] == [second.pid]
+    assert "submitting them again" in mission.err
+    assert len(_daemon_pids(tmp_path)) == 2      # the mission started a second daemon
 
 
 def test_an_idle_head_daemon_quits_and_cleans_up(tmp_path, workers):
