@@ -2049,7 +2049,9 @@ class GrainExecutor:
     Queue policy (all of it lives in ``_pump``): strict FIFO. The job at the head of the
     queue goes to the first worker that can allocate its request; when none can, the whole
     queue waits until a job ends and gives resources back (or a worker joins). Jobs that
-    request nothing (``ZERO``) skip the queue and run at once in this process.
+    request nothing (``ZERO``) skip the queue and run at once in this process. A head
+    daemon (HeadDaemon, below) has one such queue per mission and serves them round-robin,
+    prioritized missions first; a mission attached to one forwards its queue there.
 
     Failures: a job's exception goes to whoever awaits the job, with its original type; the
     worker keeps serving. Exceptions whose type is in ``temporary_err`` and infrastructure
@@ -3787,7 +3789,8 @@ def format_ls(stats):
     if "missions" in stats:
         lines += ["", f"missions: {len(stats['missions'])} attached"]
         for m in stats["missions"]:
-            lines.append(f"  {m['name']} on {m['host']}{' (prioritized)' if m['prioritized'] else ''}: "
+            first = " (prioritized)" if m["prioritized"] else ""
+            lines.append(f"  {m['name']} on {m['host']}{first}: "
                          f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
                          f"{m['failed']} failed")
     sw = stats.get("swarm")

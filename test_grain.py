@@ -1730,7 +1730,8 @@ def _worker_pids(ls):
 
 
 def test_the_swarm_replaces_a_worker_that_dies_within_its_quota(tmp_path, workers):
-    d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\nexport GRAIN_JOB_ID=$$\\n{main}\\n", swarm=1, quota=2)
+    d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\nexport GRAIN_JOB_ID=$$\\n{main}\\n",
+                     swarm=1, quota=2)
     head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
                             cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
