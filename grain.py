@@ -1825,11 +1825,16 @@ class RemoteWorker(Worker):
         self.known_functions = set()
         self.leaving = None         # why it announced it leaves, if it did
 
-    def start(self, job):
-        digest, fn_bytes = self.executor._function_bytes(job.fn)
+    def _send_function(self, fn, *extra):
+        """Send ``fn`` unless the peer has it already; returns its digest."""
+        digest, fn_bytes = self.executor._function_bytes(fn)
         if digest not in self.known_functions:
             self.known_functions.add(digest)
-            self.channel.send(("fn", digest, fn_bytes))
+            self.channel.send(("fn", digest, fn_bytes, *extra))
+        return digest
+
+    def start(self, job):
+        digest = self._send_function(job.fn)
         self.jobs[job.id] = job
         self.channel.send(("run", job.id, digest, job.payload, job.alloc, job.T))
 
@@ -1896,10 +1901,7 @@ class HeadLink(RemoteWorker):
         self.log_file = info.get("log") or "(unknown)"
 
     def start(self, job):
-        digest, fn_bytes = self.executor._function_bytes(job.fn)
-        if digest not in self.known_functions:
-            self.known_functions.add(digest)
-            self.channel.send(("fn", digest, fn_bytes, _callable_name(job.fn)))
+        digest = self._send_function(job.fn, _callable_name(job.fn))
         self.jobs[job.id] = job
         self.channel.send(("job", job.id, job.req, digest, job.payload))
 
@@ -4594,7 +4596,7 @@ class HeadDaemon(GrainExecutor):
                     if job_id not in states:
                         log.warning("worker job %s ended without joining", job_id)
                         del sw.pending[job_id]
-            joined = sum(1 for w in self.workers if isinstance(w, RemoteWorker))
+            joined = self._joined()
             missing = sw.target - joined - len(sw.pending)
             if missing <= 0:
                 sw.note = ""
@@ -4616,6 +4618,9 @@ class HeadDaemon(GrainExecutor):
             sw.pending[job_id] = time.time()
             log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
                      job_id, joined, len(sw.pending), sw.target)
+
+    def _joined(self):
+        return sum(1 for w in self.workers if isinstance(w, RemoteWorker))
 
     def _submit_worker_job(self):
         s = self.swarm.settings
@@ -4662,8 +4667,7 @@ class HeadDaemon(GrainExecutor):
                               "done": m.done, "failed": m.failed,
                               "since": m.since} for m in self.missions]
         if self.swarm is not None:
-            stats["swarm"] = self.swarm.statistics(
-                sum(1 for w in self.workers if isinstance(w, RemoteWorker)))
+            stats["swarm"] = self.swarm.statistics(self._joined())
         return stats
 
 

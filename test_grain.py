@@ -1011,10 +1011,14 @@ class Workers:
         return proc
 
     def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all(self.procs)
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 @pytest.fixture
@@ -1514,10 +1518,7 @@ class Daemon:
         return seen["ls"]
 
     def close(self):
-        for p in self.missions:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all(self.missions)
 
 
 @pytest.fixture
