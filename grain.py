@@ -132,6 +132,8 @@ MAX_RETRIES = 3           # retries of a job after a temporary failure (so 4 att
 STUCK_WARN_S = 60.0       # seconds the head job may fit no worker before we warn
 STUCK_REPEAT_S = 300.0    # seconds between repeated warnings about the same stuck queue
 STUCK_CHECK_S = 5.0       # seconds between checks of the stuck queue
+BACKFILL_DEPTH = 64       # how far behind a blocked job the scheduler looks for jobs that fit
+RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing else starts there
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -852,6 +854,18 @@ def _size_key(res):
     """How large a provider is, for naming "the largest worker": (cores, memory)."""
     c, m = _part(res, "Cores"), _part(res, "Memory")
     return (c._total if c else 0, m._total if m else 0)
+
+
+def _same_request(a, b):
+    """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
+    it for many queued jobs."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is Cores:
+        return a.N == b.N and a.c == b.c
+    return a == b
 
 
 ###############################################################################
@@ -1736,9 +1750,10 @@ class Worker:
         for part in self.res._parts().values():
             if isinstance(part, WTime):
                 part._start()
-        self.total = res.copy()        # for display
+        self.total = res.copy()        # for display, and to tell what could ever fit
         self.running = 0
         self.accepting = True          # False once told to drain (quit) or retiring
+        self.reserved_for = None       # a long-blocked job: no other job starts here
 
     def fits(self, req):
         return self.accepting and self.res.request(req)
@@ -1985,7 +2000,8 @@ class JobQueue:
     """The jobs of one mission waiting for resources, oldest first. An executor running a
     mission in-process has one; a head daemon has one per attached mission."""
 
-    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at")
+    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
+                 "reserved", "run")
 
     def __init__(self, name, prioritized=False):
         self.jobs = deque()
@@ -1994,6 +2010,16 @@ class JobQueue:
         self.blocked_job = None      # the head job while it fits no worker, and since when
         self.blocked_since = 0.0
         self.warned_at = -math.inf
+        self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
+        self.run = 0                 # jobs right behind the first known to ask the same
+
+    def unreserve(self):
+        """Give up the worker held for the blocked job (it started, or the queue is gone)."""
+        w = self.reserved
+        if w is not None:
+            self.reserved = None
+            if w.reserved_for is self.blocked_job:
+                w.reserved_for = None
 
     def warn(self, message):
         """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
@@ -2048,12 +2074,17 @@ RETIRED_RETRIES = 20                     # retirements are not the job's fault: 
 class GrainExecutor:
     """Schedules jobs onto workers by resource and collects their results.
 
-    Queue policy (all of it lives in ``_pump``): strict FIFO. The job at the head of the
-    queue goes to the first worker that can allocate its request; when none can, the whole
-    queue waits until a job ends and gives resources back (or a worker joins). Jobs that
+    Queue policy (``_pump`` and what it calls): first come, first served, with backfill.
+    The oldest queued job goes to the first worker that can allocate its request. When no
+    worker can, later jobs (up to BACKFILL_DEPTH behind it) that fit somewhere now start
+    ahead of it, so a large job does not leave cores idle behind it. So that the large
+    job cannot starve, once it has waited RESERVE_AFTER_S it reserves one worker (among
+    those large enough, the one with the most free): no other job starts there until it
+    does. The queue is looked at again whenever a job ends or a worker joins. Jobs that
     request nothing (``ZERO``) skip the queue and run at once in this process. A head
     daemon (HeadDaemon, below) has one such queue per mission and serves them round-robin,
-    prioritized missions first; a mission attached to one forwards its queue there.
+    prioritized missions first; a reservation holds its worker against every mission. A
+    mission attached to a daemon forwards its queue there.
 
     Failures: a job's exception goes to whoever awaits the job, with its original type; the
     worker keeps serving. Exceptions whose type is in ``temporary_err`` and infrastructure
@@ -2206,17 +2237,20 @@ class GrainExecutor:
             self._zero_worker.running += 1
             self._zero_worker.start(job)
             return
-        jobs = job.queue.jobs
+        queue = job.queue
+        jobs = queue.jobs
         jobs.append(job)
         self._n_queued += 1
-        if len(jobs) == 1:  # behind another job it could not start before it (FIFO)
+        if len(jobs) == 1:
             self._pump()
+        elif self._attach is None and not _same_request(job.req, jobs[0].req):
+            self._backfill(queue, 1, len(jobs) - 1)  # behind a blocked job, it may fit now
 
     # -- dispatch: the queue policy ---------------------------------------
     def _pump(self):
         """Start queued jobs on workers that can allocate them.
 
-        Within a queue, strict FIFO. Between queues (missions on a head daemon): those
+        Within a queue, oldest first with backfill (see the class). Between queues (missions on a head daemon): those
         ``prioritized`` first; among equals, one job per queue per round, and each call
         starts its rounds one queue further along, so a small mission is never stuck behind
         a large one's backlog."""
@@ -2241,8 +2275,8 @@ class GrainExecutor:
         queues.append(queues.pop(0))
 
     def _start_from(self, queue, limit):
-        """Start up to ``limit`` (-1: any number of) jobs from the head of ``queue``;
-        returns how many started."""
+        """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
+        (backfill) later ones that fit while the oldest waits; returns how many started."""
         jobs, workers = queue.jobs, self.workers
         started = 0
         while jobs and started != limit:
@@ -2251,22 +2285,106 @@ class GrainExecutor:
                 self._group_times.resolve(job)
             req = job.req
             for w in workers:
-                if w.accepting and w.res.request(req):
+                if w.accepting and w.res.request(req) and (
+                        w.reserved_for is None or w.reserved_for is job):
                     break
             else:
                 if queue.blocked_job is not job:
+                    if queue.reserved is not None:
+                        queue.unreserve()
                     queue.blocked_job = job
                     queue.blocked_since = trio.current_time()
+                else:
+                    self._reserve_if_starving(queue, job)
+                if len(jobs) > queue.run + 1:
+                    started += self._backfill(queue, limit - started if limit > 0 else -1)
                 return started
             jobs.popleft()
+            if queue.run:
+                queue.run -= 1
+            if queue.reserved is not None:
+                queue.unreserve()
             self._n_queued -= 1
-            job.state = "running"
+            job.state = "running"  # as _launch, inlined: this is the hot path
             job.attempts += 1
             job.alloc = w.res._take(req)
             job.worker = w
             w.running += 1
             w.start(job)
             started += 1
+        return started
+
+    def _launch(self, job, w):
+        job.state = "running"
+        job.attempts += 1
+        job.alloc = w.res._take(job.req)
+        job.worker = w
+        w.running += 1
+        w.start(job)
+
+    def _reserve_if_starving(self, queue, job):
+        """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
+        once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
+        w = queue.reserved
+        if w is not None and w.reserved_for is job and w.accepting and w in self.workers:
+            return
+        if trio.current_time() - queue.blocked_since < RESERVE_AFTER_S:
+            return
+        queue.reserved = None
+        could = [w for w in self.workers
+                 if w.accepting and w.reserved_for is None and w.total.request(job.req)]
+        if could:  # the one with the most free now: probably the first to have enough
+            w = max(could, key=lambda w: _size_key(w.res))
+            w.reserved_for = job
+            queue.reserved = w
+            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job "
+                     "until it starts", job.name, trio.current_time() - queue.blocked_since,
+                     job.req, w.name)
+
+    def _backfill(self, queue, limit, first=None):
+        """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
+        ``queue`` that fit a worker now (or only ``jobs[first:]``, for a new job).
+
+        ``queue.run`` counts the jobs right behind the head that ask for the same as it:
+        they cannot fit either, and each is compared once as the run grows, so a long queue
+        of identical jobs costs nothing per completion. Behind the run, at most
+        BACKFILL_DEPTH jobs are looked at; those asking for the same as one found not to fit
+        in this pass are skipped without a look at the workers."""
+        jobs = queue.jobs
+        head_req = jobs[0].req
+        n = len(jobs)
+        if first is None:
+            i = queue.run + 1
+            while i < n and _same_request(jobs[i].req, head_req):
+                i += 1
+            queue.run = i - 1
+            stop = min(n, i + BACKFILL_DEPTH)
+        else:
+            i, stop = first, n
+        failed = [head_req]
+        started = 0
+        while i < stop and started != limit:
+            job = jobs[i]
+            if job.group is not None and job.T is None:
+                self._group_times.resolve(job)
+            req = job.req
+            for f in failed:
+                if _same_request(req, f):
+                    break
+            else:
+                for w in self.workers:
+                    if w.accepting and w.reserved_for is None and w.res.request(req):
+                        del jobs[i]
+                        stop -= 1
+                        self._n_queued -= 1
+                        self._launch(job, w)
+                        started += 1
+                        break
+                else:
+                    failed.append(req)
+                    i += 1
+                continue
+            i += 1
         return started
 
     def _forward(self):
@@ -2335,6 +2453,8 @@ class GrainExecutor:
                 link.interrupt_all(RETRY_LOST, why)
 
     def _fail_queued(self, why):
+        self._main_queue.unreserve()
+        self._main_queue.run = 0
         jobs = self._main_queue.jobs
         while jobs:
             job = jobs.popleft()
@@ -2424,6 +2544,7 @@ class GrainExecutor:
                     job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
         job.state = "queued"
         job.queue.jobs.appendleft(job)  # it was submitted before everything behind it
+        job.queue.run = 0
         self._n_queued += 1
         return True
 
@@ -4528,6 +4649,8 @@ class HeadDaemon(GrainExecutor):
         dropped = len(m.jobs)
         self._n_queued -= dropped
         m.jobs.clear()
+        m.unreserve()
+        m.run = 0
         cancelled = 0
         for w in self.workers:
             for job in list(getattr(w, "jobs", {}).values()):

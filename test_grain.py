@@ -348,7 +348,7 @@ async def test_gvar_outside_and_inside_jobs():
 
 
 @trio_test
-async def test_fifo_queue_waits_for_resources(autojump_clock):
+async def test_queue_waits_for_resources_and_backfills(autojump_clock):
     log = []
 
     async def job(i, dt):
@@ -358,14 +358,38 @@ async def test_fifo_queue_waits_for_resources(autojump_clock):
     async with grain.GrainExecutor(rpw=Cores([0, 1])) as exer:
         exer.submit(Cores(2), job, 0, 1.0)
         exer.submit(Cores(1), job, 1, 1.0)
-        exer.submit(Cores(2), job, 2, 1.0)   # head of line: waits although core 1 is free
-        exer.submit(Cores(1), job, 3, 1.0)   # behind it (strict FIFO)
+        exer.submit(Cores(2), job, 2, 1.0)   # oldest waiting at t=1: core 1 alone is free
+        exer.submit(Cores(1), job, 3, 1.0)   # so this one takes core 1 meanwhile (backfill)
     starts = {i: (t, c) for _, i, t, c in log}
     assert starts[0] == (0.0, [0, 1])
     assert starts[1][0] == 1.0
+    assert starts[3][0] == 1.0
     assert starts[2] == (2.0, [0, 1])
-    assert starts[3][0] == 3.0
-    assert trio.current_time() == 4.0
+    assert trio.current_time() == 3.0
+
+
+@trio_test
+async def test_backfill_never_starves_a_large_job(autojump_clock):
+    # Two cores kept busy by a stream of 1-core jobs: every time one ends, the next small
+    # job backfills the free core, so the 2-core job never sees both free by chance. After
+    # RESERVE_AFTER_S it reserves the worker, which then drains and runs it.
+    starts = {}
+
+    async def job(name):
+        starts[name] = trio.current_time()
+        await trio.sleep(1.0)
+
+    async with grain.GrainExecutor(rpw=Cores(2)) as exer:
+        for i in range(2):
+            exer.submit(Cores(1), job, f"small{i}")
+        exer.submit(Cores(2), job, "big")
+        for i in range(2, 100):
+            exer.submit(Cores(1), job, f"small{i}")
+    assert grain.RESERVE_AFTER_S == 30.0
+    assert 30.0 <= starts["big"] <= 31.5
+    assert starts["small2"] == 1.0       # small jobs did pass it before that
+    assert max(starts.values()) > starts["big"]
+    assert trio.current_time() == pytest.approx(51.0)
 
 
 @trio_test
