@@ -81,6 +81,7 @@ import hmac
 import importlib.machinery
 import importlib.util
 import inspect
+import io
 import itertools
 import json
 import logging
@@ -1087,6 +1088,25 @@ def dumps_control(msg):
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+class _ByValuePickler(dill.Pickler):
+    """dill, pickling functions by value, that takes a module of a ModuleType subclass (as
+    trio before 0.23 is) by name, as dill does for plain modules, instead of failing."""
+
+    def reducer_override(self, obj):
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return NotImplemented
+
+
+def dill_dumps(obj):
+    """Bytes of ``obj`` by dill, with functions of importable modules by value where
+    pickle could not take them by name (a decorated function, a closure)."""
+    buf = io.BytesIO()
+    _ByValuePickler(buf, recurse=True).dump(obj)
+    return buf.getvalue()
+
+
 def dumps_job_value(obj, what):
     """Bytes of a job's function, arguments or result: standard pickle first (fast), dill
     for what it cannot do (lambdas, closures, functions of __main__)."""
@@ -1095,7 +1115,7 @@ def dumps_job_value(obj, what):
     except Exception:
         pass
     try:
-        return b"d" + dill.dumps(obj, recurse=True)
+        return b"d" + dill_dumps(obj)
     except Exception as e:
         raise TypeError(f"{what} cannot be pickled: {e}") from None
 
@@ -1104,12 +1124,12 @@ def _culprit(args, kwargs):
     """The first argument that cannot be pickled, for the error message."""
     for i, a in enumerate(args):
         try:
-            dill.dumps(a, recurse=True)
+            dill_dumps(a)
         except Exception:
             return f"argument {i} ({a!r})"
     for k, v in kwargs.items():
         try:
-            dill.dumps(v, recurse=True)
+            dill_dumps(v)
         except Exception:
             return f"argument {k}={v!r}"
     return "an argument"
@@ -1613,7 +1633,7 @@ class SubprocessPool:
     async def call(self, fn, args, kwargs, res, instance, cores, timeout):
         # recurse=True: a function from __main__ carries the globals it uses, not a
         # reference to a __main__ the child does not have.
-        payload = dill.dumps((fn, args, kwargs, res, instance, cores, timeout), recurse=True)
+        payload = dill_dumps((fn, args, kwargs, res, instance, cores, timeout))
         async with self._slots:
             child = self._idle.pop() if self._idle else await self._spawn()
             ok = False

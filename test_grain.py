@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 import trio
@@ -1346,6 +1347,25 @@ def test_key_file_is_created_private_and_a_readable_one_is_refused(tmp_path):
         grain.load_auth_key(str(path))
     cp = run_py(GRAIN, "ls", "--key", str(path), "-a", "tcp://127.0.0.1:1")
     assert cp.returncode == 1 and "chmod 600" in cp.stderr and "Traceback" not in cp.stderr
+
+
+def test_job_function_by_value_takes_a_module_subclass_by_name():
+    # trio before 0.23 is an instance of a ModuleType subclass, which dill alone refuses to
+    # pickle; a decorated function (pickled by value) that uses such a module must travel.
+    mod = type("LazyModule", (types.ModuleType,), {})("grain_test_lazy_module")
+    mod.answer = 42
+    sys.modules[mod.__name__] = mod
+    try:
+        def uses_module():
+            return mod.answer
+
+        uses_module.__module__ = "__main__"  # as a script's function: by value, not by name
+        data = grain.dumps_job_value(uses_module, "the job function")
+        assert data[:1] == b"d"
+        fn = grain.loads_job_value(data)
+        assert fn() == 42
+    finally:
+        del sys.modules[mod.__name__]
 
 
 def test_frame_decoder():
