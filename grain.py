@@ -104,15 +104,38 @@ import types
 from collections import deque, namedtuple
 from dataclasses import dataclass, field, replace
 
-try:
-    import trio
-    import dill
-except ImportError as _e:  # pragma: no cover - depends on the machine
+_missing = [name for name in ("trio", "dill") if importlib.util.find_spec(name) is None]
+if _missing:  # pragma: no cover - depends on the machine
     raise ImportError(
-        f"grain.py needs trio and dill ({_e}); install them with "
-        "`python -m pip install trio dill`, or use the self-contained grain.pyz "
-        "built by `python grain.py pack`"
-    ) from _e
+        f"grain.py needs trio and dill (no module named {', '.join(_missing)}); install "
+        "them with `python -m pip install trio dill`, or use the self-contained grain.pyz "
+        "built by `python grain.py pack`")
+
+
+class _ImportOnFirstUse(types.ModuleType):
+    """Stands for a module until its first attribute is used, then imports it and takes
+    its place among this file's globals. trio and dill are most of grain's start-up time
+    (about 70 ms of 100), and `import grain`, `--version` or `ls` need neither."""
+
+    def __getattr__(self, attr):
+        module = importlib.import_module(self.__name__)
+        globals()[self.__name__] = module
+        return getattr(module, attr)
+
+
+trio = _ImportOnFirstUse("trio")
+dill = _ImportOnFirstUse("dill")
+
+
+class _IgnoredTaskStatus:
+    """trio.TASK_STATUS_IGNORED without importing trio: the default ``task_status`` of a
+    service that may also be called other than through ``nursery.start()``."""
+
+    def started(self, value=None):
+        pass
+
+
+TASK_STATUS_IGNORED = _IgnoredTaskStatus()
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -262,20 +285,44 @@ def _callable_name(fn):
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+# How a child runs this file: through the import system, which keeps its compiled bytecode
+# in __pycache__. `python grain.py` would compile the whole file again in every child (about
+# 50 ms: most of a worker's start when a hundred start at once on a small node). Like the
+# trampoline, it loads the file as module ``grain``; sys.path[0] is the file's folder, as
+# for a script, unless Python runs isolated.
+_CHILD_BOOT = ("import sys, os, importlib.util as u; p = sys.argv[1]; del sys.argv[1]; "
+               "sys.flags.isolated or sys.path.__setitem__(0, os.path.dirname(p)); "
+               "s = u.spec_from_file_location('grain', p); m = u.module_from_spec(s); "
+               "sys.modules['grain'] = m; s.loader.exec_module(m); "
+               "sys.exit(m.main(sys.argv[1:]))")
+
+
+def self_path():
+    """This file, or the grain.pyz holding it."""
+    path = os.path.abspath(__file__)
+    # Inside a zipapp __file__ is ".../grain.pyz/grain.py": the archive itself.
+    archive = os.path.dirname(path)
+    return archive if os.path.isfile(archive) else path
+
+
+def boot_argv(python, path, *args):
+    """The argv that runs grain.py (or grain.pyz) at ``path`` under ``python`` with
+    ``args``, as ``python grain.py ARGS`` would but from cached bytecode."""
+    if not path.endswith(".py"):  # grain.pyz: zipimport has no bytecode cache to use
+        return [python, path, *args]
+    return [python, "-c", _CHILD_BOOT, path, *args]
+
+
 def self_argv(*args):
     """The argv that re-runs this very file (or the grain.pyz holding it) with ``args``.
 
     Every child grain starts (pool processes, workers, job scripts) is started this way, never
     as ``-m grain``, so it runs the same code as its parent."""
-    path = os.path.abspath(__file__)
-    # Inside a zipapp __file__ is ".../grain.pyz/grain.py": run the archive itself.
-    archive = os.path.dirname(path)
-    if os.path.isfile(archive):
-        path = archive
     # Children keep an isolated (-I) or site-less (-S) parent's view of the world: a
     # bundle run that way must not pick up other copies of trio in a child.
     flags = (["-I"] if sys.flags.isolated else []) + (["-S"] if sys.flags.no_site else [])
-    return [sys.executable, *flags, path, *args]
+    python, *rest = boot_argv(sys.executable, self_path(), *args)
+    return [python, *flags, *rest]
 
 
 @contextlib.asynccontextmanager
@@ -1088,30 +1135,39 @@ def dumps_control(msg):
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-class _ByValuePickler(dill.Pickler):
-    """dill, pickling functions by value, that takes a module of a ModuleType subclass (as
-    trio before 0.23 is) by name, as dill does for plain modules, instead of failing."""
+@functools.lru_cache(maxsize=None)
+def _by_value_pickler():
+    """dill's Pickler, pickling functions by value, that takes a module of a ModuleType
+    subclass (as trio before 0.23 is) by name, as dill does for plain modules, instead of
+    failing. Made at first use, as dill is imported only then."""
 
-    def reducer_override(self, obj):
-        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
-                and sys.modules.get(obj.__name__) is obj):
-            return importlib.import_module, (obj.__name__,)
-        return NotImplemented
+    class ByValuePickler(dill.Pickler):
+        def reducer_override(self, obj):
+            if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                    and sys.modules.get(obj.__name__) is obj):
+                return importlib.import_module, (obj.__name__,)
+            return NotImplemented
+
+    return ByValuePickler
 
 
 def dill_dumps(obj):
     """Bytes of ``obj`` by dill, with functions of importable modules by value where
     pickle could not take them by name (a decorated function, a closure)."""
     buf = io.BytesIO()
-    _ByValuePickler(buf, recurse=True).dump(obj)
+    _by_value_pickler()(buf, recurse=True).dump(obj)
     return buf.getvalue()
 
 
 def dumps_job_value(obj, what):
     """Bytes of a job's function, arguments or result: standard pickle first (fast), dill
-    for what it cannot do (lambdas, closures, functions of __main__)."""
+    for what it cannot do (lambdas, closures) and for what refers to ``__main__``: pickle
+    takes a function or class of the user's script by name, which the worker's own
+    ``__main__`` does not have, where dill takes it by value."""
     try:
-        return b"p" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if b"__main__" not in data:
+            return b"p" + data
     except Exception:
         pass
     try:
@@ -1529,8 +1585,10 @@ def _subproc_child_main(result_fd):
         (size,) = FRAME_HEADER.unpack(head)
         return inp.read(size)
 
+    too_slow = trio.TooSlowError  # imports trio now, not in the signal handler, late
+
     def on_alarm(signum, frame):
-        raise trio.TooSlowError("the job ran past its walltime T")
+        raise too_slow("the job ran past its walltime T")
 
     signal.signal(signal.SIGALRM, on_alarm)
     init = read_frame()
@@ -1840,6 +1898,10 @@ class LocalWorker(Worker):
             self.executor._job_ended(job, None, e, trio.current_time() - started)
         else:
             self.executor._job_ended(job, value, None, trio.current_time() - started)
+
+
+NO_KWARGS = types.MappingProxyType({})
+NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def loads_job_value(data):
@@ -2195,7 +2257,9 @@ class GrainExecutor:
         return self._submit(res, fn, args, kwargs)
 
     def _submit(self, res, fn, args, kwargs):
-        job = Job(next(self._ids), res, fn, args, kwargs, self._main_queue)
+        # One shared empty mapping for the many jobs without keyword arguments: an empty
+        # dict each is a quarter of a queued job's memory.
+        job = Job(next(self._ids), res, fn, args, kwargs or NO_KWARGS, self._main_queue)
         if self._remote and res is not ZERO:
             self._prepare_payload(job)
         self._jobs.append(job)
@@ -2241,8 +2305,11 @@ class GrainExecutor:
         """Serialize a job for remote workers now, so what cannot be pickled fails at
         submit time and names the culprit."""
         self._function_bytes(job.fn)
+        if not job.args and not job.kwargs:
+            job.payload = NO_ARGS_PAYLOAD
+            return
         try:
-            job.payload = dumps_job_value((job.args, job.kwargs), "")
+            job.payload = dumps_job_value((job.args, dict(job.kwargs)), "")
         except TypeError as e:
             raise TypeError(f"job {_callable_name(job.fn)}: "
                             f"{_culprit(job.args, job.kwargs)} cannot be pickled{str(e)[19:]}"
@@ -2623,7 +2690,7 @@ class GrainExecutor:
                f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued")
 
     # -- the head: workers and CLI clients connect here -------------------------
-    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def _serve(self, *, task_status=TASK_STATUS_IGNORED):
         """Listen on ``self.listen``; started() once peers can connect (and, for an Edge
         address, once the record is written)."""
         scheme, _, where = parse_url(self.listen)
@@ -2635,7 +2702,7 @@ class GrainExecutor:
                 nursery.start_soon(trio.serve_listeners, self._on_accept, listeners)
             task_status.started(self.urls)
 
-    async def _serve_edge(self, path, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def _serve_edge(self, path, *, task_status=TASK_STATUS_IGNORED):
         edge = EdgeFile(path)
         lid = os.urandom(8).hex()
         sock_path = _edge_socket_path(path, f"head-{lid}")
@@ -4277,8 +4344,8 @@ def worker_command(s, grain_path=None):
            "WTime": {"T": format_walltime(max(60, walltime - LEAVE_BEFORE_S)),
                      "countdown": True}}
     res.update(s.res)
-    argv = [s.script.python, grain_path or self_argv()[1], "worker", "--url", s.dial,
-            "--res", json.dumps(res, separators=(",", ":"))]
+    argv = boot_argv(s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
+                     "--res", json.dumps(res, separators=(",", ":")))
     if s.contextmod:
         argv += ["--context", os.path.abspath(s.contextmod)]
     if s.auth_key:
@@ -4591,7 +4658,7 @@ class HeadDaemon(GrainExecutor):
         return fn.digest, fn.data
 
     # -- missions -------------------------------------------------------------
-    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def _serve(self, *, task_status=TASK_STATUS_IGNORED):
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(super()._serve)
             if self.mission_socket:
@@ -5109,12 +5176,27 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
 # one and returns the exit code. Only main configures logging or decides to exit.
 
 
+def _package_version(name, version_file):
+    """A package's ``__version__``, read from its source when it is not imported yet:
+    `--version` should not pay for importing trio."""
+    module = sys.modules.get(name)
+    if module is None:
+        with contextlib.suppress(Exception):
+            spec = importlib.util.find_spec(name)
+            path = os.path.join(os.path.dirname(spec.origin), version_file)
+            text = spec.loader.get_data(path).decode()  # a file, or a member of grain.pyz
+            return re.search(r"^__version__ = ['\"]([^'\"]+)", text, re.M).group(1)
+        module = importlib.import_module(name)
+    return getattr(module, "__version__", "?")
+
+
 def _versions():
     where = " bundle" if os.path.isfile(os.path.dirname(os.path.abspath(__file__))) else ""
     tomli = "" if sys.version_info >= (3, 11) or tomllib is None else \
         f", tomli {getattr(tomllib, '__version__', '?')}"
-    return (f"grain.py{where} {__version__} (trio {trio.__version__}, dill {dill.__version__}"
-            f"{tomli}, Python {sys.version.split()[0]})")
+    return (f"grain.py{where} {__version__} (trio {_package_version('trio', '_version.py')}, "
+            f"dill {_package_version('dill', '__info__.py')}{tomli}, "
+            f"Python {sys.version.split()[0]})")
 
 
 def build_parser():

@@ -9,6 +9,7 @@ import os
 import pathlib
 import pickle
 import re
+import shlex
 import signal
 import socket
 import stat
@@ -1368,6 +1369,20 @@ def test_job_function_by_value_takes_a_module_subclass_by_name():
         del sys.modules[mod.__name__]
 
 
+def test_functions_of_the_users_script_travel_by_value(monkeypatch):
+    # pickle takes a function of __main__ by name, and a worker's __main__ is not the
+    # user's script: such a function must go by value (dill).
+    async def script_job():
+        return 7
+
+    script_job.__module__, script_job.__qualname__ = "__main__", "script_job"
+    monkeypatch.setattr(sys.modules["__main__"], "script_job", script_job, raising=False)
+    data = grain.dumps_job_value(script_job, "the job function")
+    monkeypatch.delattr(sys.modules["__main__"], "script_job")
+    assert data[:1] == b"d"
+    assert trio.run(grain.loads_job_value(data)) == 7
+
+
 def test_frame_decoder():
     dec = grain.FrameDecoder(max_frame=10)
     data = grain.encode_frame(b"abc") + grain.encode_frame(b"") + grain.encode_frame(b"0123")
@@ -1548,15 +1563,15 @@ class Daemon:
         return subprocess.run([sys.executable, GRAIN, *args, "-c", str(self.config)],
                               capture_output=True, text=True, cwd=self.tmp_path, timeout=60)
 
-    def wait_ls(self, text, timeout=30):
+    def wait_ls(self, *texts, timeout=30):
         seen = {}
 
         def shows():
             seen["ls"] = self.cli("ls").stdout
-            return text in seen["ls"]
+            return all(text in seen["ls"] for text in texts)
 
         try:
-            wait_for(shows, timeout, f"`ls` to show {text!r}")
+            wait_for(shows, timeout, f"`ls` to show {texts!r}")
         except AssertionError:
             raise AssertionError(seen.get("ls")) from None
         return seen["ls"]
@@ -1575,8 +1590,9 @@ def daemon(tmp_path, workers):
 def test_missions_share_the_head_daemon_fairly_and_reuse_its_worker(daemon):
     w = daemon.worker(cores=1)
     big = daemon.mission(10, 0.3)        # 3 s of jobs on the one core
-    ls = daemon.wait_ls("missions: 1 attached")
-    assert "mission.py[" in ls and "1 worker(s)" in ls
+    # (the worker may join after the mission has attached: that changes nothing below)
+    ls = daemon.wait_ls("missions: 1 attached", "1 worker(s)")
+    assert "mission.py[" in ls
     small = daemon.mission(2, 0.1)       # arrives behind 9 queued jobs
     small_r, big_r = daemon.result(small), daemon.result(big)
     # Round robin between missions: the small one did not wait for the big one's backlog.
@@ -1955,11 +1971,11 @@ def test_render_slurm_script():
     body = "\n".join(lines[9:])
     assert body.index("echo first-deferred-runs-last") < body.index("rm -r /scratch/131415")
     assert body.index("trap grain_cleanup EXIT") < body.index("module load vasp") < \
-        body.index("mkdir -p /scratch/131415") < body.index("grain.py worker")
-    cmd = lines[-1].split()
-    assert cmd[:5] == [sys.executable, "/opt/grain.py", "worker", "--url",
-                       "edge:///shared/edge"]
-    res = _json.loads(cmd[cmd.index("--res") + 1].strip("'"))
+        body.index("mkdir -p /scratch/131415") < body.index("/opt/grain.py worker")
+    cmd = shlex.split(lines[-1])  # grain.py run from its cached bytecode, as `up` runs it
+    assert cmd[:7] == [sys.executable, "-c", grain._CHILD_BOOT, "/opt/grain.py", "worker",
+                       "--url", "edge:///shared/edge"]
+    res = _json.loads(cmd[cmd.index("--res") + 1])
     assert res == {"Cores": {"N": 16}, "Memory": {"M": 28.0},
                    "WTime": {"T": "23:57:00", "countdown": True},
                    "Token": {"token": "gpu"}}
