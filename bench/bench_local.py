@@ -1,38 +1,55 @@
-"""Local throughput: N no-op Cores(1) jobs through the delayed API on an in-process worker
-of 8 cores. Prints tasks/s on the last line.
+"""1. Local throughput: N no-op Cores(1) jobs through the delayed API on an in-process worker
+of 8 cores, after 200 warm-up jobs. Prints tasks/s on the last line.
 
-    python bench/bench_local.py [N]
-"""
-import logging
-import os
-import sys
+    python bench/bench_local.py [--impl grainpy|upstream|dask] [N]
+
+Dask: a LocalCluster in this process (processes=False) with one worker of 8 threads and 8
+"cores" of resources, the same no-op as a plain function, resources={"cores": 1}."""
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _peers import noop_sync, parse_impl
 
-from grain.delayed import delayed, each, run  # noqa: E402
-from grain.resource import Cores  # noqa: E402
-
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
+IMPL, ARGS = parse_impl()
+N = int(ARGS[0]) if ARGS else 20_000
 
 
-@delayed
-async def noop():
-    pass
+def grain_like():
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def noop():
+        pass
+
+    async def main():
+        # (noop @ Cores(1))() each time: upstream's @ sets the request for one call only
+        await each([(noop @ Cores(1))() for _ in range(200)])
+        t0 = time.perf_counter()
+        await each([(noop @ Cores(1))() for _ in range(N)])
+        return time.perf_counter() - t0
+
+    if IMPL == "grainpy":
+        return run(main, local=Cores(8), config_file=False)
+    box = []  # upstream's run() returns nothing
+
+    async def upstream_main():
+        box.append(await main())
+
+    run(upstream_main, local=Cores(8), config_file=False)
+    return box[0]
 
 
-async def main():
-    job = noop @ Cores(1)
-    t0 = time.perf_counter()
-    await each([job() for _ in range(N)])
-    return time.perf_counter() - t0
+def dask():
+    from _peers import dask_cluster
+    cluster, client = dask_cluster(1, 8, processes=False)
+    with cluster, client:
+        client.gather(client.map(noop_sync, range(200), resources={"cores": 1}, pure=False))
+        t0 = time.perf_counter()
+        client.gather(client.map(noop_sync, range(N), resources={"cores": 1}, pure=False))
+        return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
-    logging.getLogger("grain").setLevel(logging.WARNING)
-    best = None
-    for _ in range(3):
-        dt = run(main, local=Cores(8), config_file=False)
-        best = dt if best is None else min(best, dt)
-    print(f"local throughput: {N} jobs, best of 3: {best:.3f} s")
-    print(f"{N / best:.0f} tasks/s")
+    dt = dask() if IMPL == "dask" else grain_like()
+    print(f"local throughput ({IMPL}): {N} jobs in {dt:.3f} s")
+    print(f"{N / dt:.0f} tasks/s")

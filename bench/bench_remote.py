@@ -1,70 +1,137 @@
-"""Remote throughput and latency: one worker process joining through an Edge file on
-loopback. Warms up with 200 jobs, then runs N no-op Cores(1) jobs through the delayed API
-and prints tasks/s; then times single jobs on the idle worker (submit to result).
+"""2. Remote throughput and 3. latency, through worker processes on loopback.
 
-    python bench/bench_remote.py [N] [WORKERS] [CORES]
+    python bench/bench_remote.py [--impl grainpy|upstream|dask] [N] [--workers W]
+                                 [--cores C] [--latency]
 
-Each worker offers CORES cores (default 8, like bench_local.py; on a smaller machine the
-ids past the real ones are virtual: --oversubscribe). With CORES=2 on a 2-core machine
-only two jobs are ever in flight, and the figure measures round trips, not the protocol.
+Starts W worker processes of C cores (default 1 and 8, as bench_local.py's worker; ids past
+the machine's real cores are virtual), waits until all have joined, runs 200 warm-up jobs,
+then N no-op Cores(1) jobs through the delayed API: the last line is tasks/s. With
+--latency, instead times 200 single jobs one after the other on the idle worker(s) (submit
+to result): the last line is "p50 X ms p99 Y ms".
 
-The last line is the throughput in tasks/s."""
-import logging
+grainpy: the head listens on an Edge file; workers are `grain.py worker --url edge://...`.
+upstream: its pure-Python head on tcp://127.0.0.1 ([head.gnaw] enabled = false); workers
+are `python -m grain.worker --url ... --res ...`. Dask: LocalCluster(processes=True) with
+W workers of C threads and C "cores" of resources."""
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+import _peers
+from _peers import noop_sync, parse_impl
 
-import grain  # noqa: E402
-from grain.delayed import delayed, each  # noqa: E402
-from grain.resource import Cores  # noqa: E402
-
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
-WORKERS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-CORES = int(sys.argv[3]) if len(sys.argv) > 3 else 8   # per worker, as bench_local's 8
+IMPL, ARGS = parse_impl()
 
 
-@delayed
-async def noop():
-    pass
+def option(name, default):
+    if name in ARGS:
+        i = ARGS.index(name)
+        value = ARGS[i + 1]
+        del ARGS[i:i + 2]
+        return int(value)
+    return default
 
 
-async def mission(edge):
-    async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
-        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "grain.py"),
-                                   "worker", "--url", f"edge://{edge}", "--name", f"w{i}",
-                                   "--res", '{"Cores": {"N": %d}}' % CORES, "--oversubscribe"])
-                 for i in range(WORKERS)]
-        await exer.wait_for_workers(WORKERS)
-        job = noop @ Cores(1)
-        await each([job() for _ in range(200)])           # warm-up
-        t0 = time.perf_counter()
-        await each([job() for _ in range(N)])
-        dt = time.perf_counter() - t0
-        latencies = []
+WORKERS = option("--workers", 1)
+CORES = option("--cores", 8)
+LATENCY = "--latency" in ARGS
+if LATENCY:
+    ARGS.remove("--latency")
+N = int(ARGS[0]) if ARGS else 20_000
+
+
+async def measure(each, one):
+    """Warm up, then time N jobs (or 200 single ones); ``one()`` gives one job to await."""
+    await each([one() for _ in range(200)])
+    if LATENCY:
+        times = []
         for _ in range(200):
             t = time.perf_counter()
-            await job()
-            latencies.append(time.perf_counter() - t)
-    for p in procs:
-        p.wait(10)
-    return dt, latencies
+            await one()
+            times.append(time.perf_counter() - t)
+        return times
+    t0 = time.perf_counter()
+    await each([one() for _ in range(N)])
+    return time.perf_counter() - t0
+
+
+def grainpy():
+    import trio
+    import grain
+    from grain.delayed import delayed, each
+    from grain.resource import Cores
+
+    @delayed
+    async def noop():
+        pass
+
+    async def mission(edge):
+        procs = []
+        try:
+            async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
+                procs += [_peers.grainpy_worker(edge, CORES, f"w{i}") for i in range(WORKERS)]
+                await exer.wait_for_workers(WORKERS)
+                return await measure(each, lambda: (noop @ Cores(1))())
+        finally:  # the head has told its workers to leave as it closed
+            _peers.stop(procs)
+
+    with tempfile.TemporaryDirectory() as d:
+        return trio.run(mission, os.path.join(d, "edge"))
+
+
+def upstream():
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def noop():
+        pass
+
+    port = _peers.free_port()
+    box, procs = [], []
+
+    async def main():
+        procs.extend(_peers.upstream_worker(port, CORES) for _ in range(WORKERS))
+        await _peers.upstream_wait_for_workers(WORKERS)
+        box.append(await measure(each, lambda: (noop @ Cores(1))()))
+
+    try:
+        run(main, config_file=_peers.upstream_config(port))
+    finally:
+        _peers.stop(procs)
+    return box[0]
+
+
+def dask():
+    cluster, client = _peers.dask_cluster(WORKERS, CORES, processes=True)
+    with cluster, client:
+        client.wait_for_workers(WORKERS)
+
+        def submit():
+            return client.submit(noop_sync, resources={"cores": 1}, pure=False)
+
+        client.gather([submit() for _ in range(200)])
+        if LATENCY:
+            times = []
+            for _ in range(200):
+                t = time.perf_counter()
+                submit().result()
+                times.append(time.perf_counter() - t)
+            return times
+        t0 = time.perf_counter()
+        client.gather([submit() for _ in range(N)])
+        return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
-    import trio
-
-    logging.getLogger("grain").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory() as d:
-        dt, lat = trio.run(mission, os.path.join(d, "edge"))
-    lat.sort()
-    print(f"remote: {N} jobs through {WORKERS} worker process(es) of {CORES} cores "
-          f"in {dt:.3f} s")
-    print(f"latency submit-to-result on an idle worker: median "
-          f"{statistics.median(lat) * 1e3:.3f} ms, p99 {lat[int(len(lat) * 0.99)] * 1e3:.3f} ms")
-    print(f"{N / dt:.0f} tasks/s")
+    out = {"grainpy": grainpy, "upstream": upstream, "dask": dask}[IMPL]()
+    if LATENCY:
+        out.sort()
+        p50, p99 = statistics.median(out) * 1e3, out[int(len(out) * 0.99)] * 1e3
+        print(f"latency ({IMPL}): 200 single jobs on {WORKERS} idle worker(s)")
+        print(f"p50 {p50:.3f} ms p99 {p99:.3f} ms")
+    else:
+        print(f"remote throughput ({IMPL}): {N} jobs through {WORKERS} worker process(es) "
+              f"of {CORES} cores in {out:.3f} s")
+        print(f"{N / out:.0f} tasks/s")

@@ -1,0 +1,100 @@
+"""4. Memory per queued job: N (default 100,000) no-op Cores(1) jobs submitted to a head that
+has no worker yet, so none can run; the growth of this process's RSS divided by N. Prints
+bytes/job on the last line.
+
+    python bench/bench_memory.py [--impl grainpy|upstream|dask] [N]
+
+grainpy: GrainExecutor listening on an Edge file (so each job is also serialized for a
+remote worker, as in real use), exer.submit(). upstream: its GrainExecutor (pure-Python head
+on loopback, no local worker), exer.submit(). Dask: client.submit(resources={"cores": 1})
+to an in-process LocalCluster whose worker has no "cores", so the tasks wait in its
+scheduler (also in this process)."""
+import gc
+import os
+import tempfile
+
+import _peers
+from _peers import noop_sync, parse_impl, rss_bytes
+
+IMPL, ARGS = parse_impl()
+N = int(ARGS[0]) if ARGS else 100_000
+
+
+async def noop():
+    pass
+
+
+def report(before, after):
+    print(f"memory ({IMPL}): {N} queued jobs grew RSS by {(after - before) / 2**20:.1f} MiB")
+    print(f"{(after - before) / N:.0f} bytes/job")
+
+
+async def settle():
+    import trio
+    for _ in range(3):
+        await trio.sleep(0.2)
+    gc.collect()
+
+
+def grainpy():
+    import trio
+    import grain
+    from grain.resource import Cores
+
+    async def main(edge):
+        async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
+            exer.submit(Cores(1), noop)
+            await settle()
+            before = rss_bytes()
+            for _ in range(N):
+                exer.submit(Cores(1), noop)
+            await settle()
+            report(before, rss_bytes())
+            os._exit(0)  # the jobs can never run: leave without waiting for them
+
+    with tempfile.TemporaryDirectory() as d:
+        trio.run(main, os.path.join(d, "edge"))
+
+
+def upstream():
+    import trio
+    from grain.config import load_conf
+    from grain.head import GrainExecutor
+    from grain.resource import Cores
+
+    config = load_conf(_peers.upstream_config(_peers.free_port()), "head")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async with GrainExecutor(_n=nursery, nolocal=True, config=config) as exer:
+                exer.submit(Cores(1), noop)
+                await settle()
+                before = rss_bytes()
+                for _ in range(N):
+                    exer.submit(Cores(1), noop)
+                await settle()
+                report(before, rss_bytes())
+                os._exit(0)
+
+    trio.run(main)
+
+
+def dask():
+    import time
+    cluster, client = _peers.dask_cluster(1, 1, processes=False)  # offers "cores", not "gpu"
+    futures = [client.submit(noop_sync, 0, resources={"gpu": 1}, pure=False)]
+    time.sleep(0.5)
+    gc.collect()
+    before = rss_bytes()
+    futures += [client.submit(noop_sync, i, resources={"gpu": 1}, pure=False)
+                for i in range(N)]
+    while len(cluster.scheduler.tasks) < N + 1:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    gc.collect()
+    report(before, rss_bytes())
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    {"grainpy": grainpy, "upstream": upstream, "dask": dask}[IMPL]()

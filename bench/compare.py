@@ -1,0 +1,119 @@
+"""Run the benchmarks for grain.py, upstream Grain 0.17.1 and Dask side by side, and print
+a markdown table of the medians.
+
+    bash bench/setup.sh                 # once: the three virtualenvs under bench/.venvs/
+    python bench/compare.py [--rounds 5] [--only NAME ...] [--no-dask]
+
+Each figure is measured in rounds, and within a round every implementation runs once in
+turn (grain.py, upstream, Dask, then again), so that a slow minute of a shared machine
+falls on all of them alike; the table gives the median of the rounds. Ratios are grain.py
+divided by upstream. Progress goes to stderr, the table to stdout."""
+import argparse
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VENVS = os.path.join(HERE, ".venvs")
+ALL = ("grainpy", "upstream", "dask")
+NAMES = {"grainpy": "grain.py", "upstream": "upstream 0.17.1", "dask": "Dask"}
+
+# name, script and arguments, implementations, [(figure, regex on the last line, unit,
+# higher is better)]
+BENCHMARKS = [
+    ("local", ["bench_local.py"], ALL,
+     [("local throughput, 20,000 jobs, 8-core in-process worker", r"^(\S+) tasks/s",
+       "tasks/s", True)]),
+    ("remote1", ["bench_remote.py", "--workers", "1"], ALL,
+     [("remote throughput, 1 worker process", r"^(\S+) tasks/s", "tasks/s", True)]),
+    ("remote4", ["bench_remote.py", "--workers", "4"], ALL,
+     [("remote throughput, 4 worker processes", r"^(\S+) tasks/s", "tasks/s", True)]),
+    ("latency", ["bench_remote.py", "--latency"], ALL,
+     [("latency p50, idle remote worker", r"^p50 (\S+) ms", "ms", False),
+      ("latency p99, idle remote worker", r"p99 (\S+) ms", "ms", False)]),
+    ("memory", ["bench_memory.py"], ALL,
+     [("memory per queued job, 100,000 queued", r"^(\S+) bytes/job", "bytes", False)]),
+    ("startup", ["bench_startup.py"], ALL,
+     [("start-up: version command, median of 10", r"^version (\S+) ms", "ms", False),
+      ("start-up: import the API, median of 10", r"import (\S+) ms", "ms", False)]),
+    ("scale", ["bench_scale.py"], ("grainpy", "upstream"),
+     [("100 workers joining one head: time until all registered", r"^join (\S+) s",
+       "s", False),
+      ("head RSS with 100 workers", r"rss (\S+) MB", "MB", False),
+      ("remote throughput, 16 worker processes", r"tput16 (\S+) tasks/s", "tasks/s",
+       True)]),
+    ("quality", ["bench_quality.py"], ALL,
+     [("scheduling quality: makespan / lower bound, 2,000 mixed jobs on 2×8 cores",
+       r"^(\S+) x lower bound", "×", False)]),
+]
+
+
+def run_one(impl, args):
+    python = os.path.join(VENVS, impl, "bin", "python")
+    if not os.path.exists(python):
+        sys.exit(f"compare.py: {python} is missing; run `bash bench/setup.sh` first")
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as for a user: bytecode caches are kept
+    cp = subprocess.run([python, os.path.join(HERE, args[0]), "--impl", impl, *args[1:]],
+                        cwd=HERE, env=env, capture_output=True, text=True, timeout=1800)
+    lines = cp.stdout.strip().splitlines()
+    if cp.returncode != 0 or not lines:
+        tail = (cp.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {impl} {' '.join(args)}: failed (exit {cp.returncode}): {tail}",
+              file=sys.stderr)
+        return None
+    return lines[-1]
+
+
+def fmt(v, unit):
+    if v is None:
+        return "—"
+    if unit in ("tasks/s", "bytes", "MB"):
+        return f"{v:,.0f} {unit}"
+    if unit == "×":
+        return f"{v:.3f}"
+    return f"{v:.2f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", nargs="*", choices=[b[0] for b in BENCHMARKS])
+    ap.add_argument("--no-dask", action="store_true")
+    opts = ap.parse_args()
+    rows = []
+    for name, args, impls, figures in BENCHMARKS:
+        if opts.only and name not in opts.only:
+            continue
+        impls = [i for i in impls if not (opts.no_dask and i == "dask")]
+        values = {(f[0], i): [] for f in figures for i in impls}
+        for r in range(opts.rounds):
+            for impl in impls:
+                line = run_one(impl, args)
+                print(f"[{name} round {r + 1}/{opts.rounds}] {impl}: {line}", file=sys.stderr)
+                for label, regex, _, _ in figures:
+                    m = re.search(regex, line or "")
+                    if m and m.group(1) != "-":
+                        values[(label, impl)].append(float(m.group(1)))
+        for label, _, unit, _higher in figures:
+            med = {i: statistics.median(values[(label, i)]) if values.get((label, i)) else None
+                   for i in ALL}
+            ratio = (f"{med['grainpy'] / med['upstream']:.2f}"
+                     if med["grainpy"] and med["upstream"] else "—")
+            rows.append((label, *(fmt(med[i], unit) for i in ALL), ratio))
+    cores = os.cpu_count()
+    print(f"{datetime.date.today()}, {cores} cores, Python {platform.python_version()}, "
+          f"`python bench/compare.py --rounds {opts.rounds}`: medians of {opts.rounds} "
+          "rounds, implementations alternating within each round.\n")
+    print("| figure | grain.py | upstream 0.17.1 | Dask | grain.py / upstream |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
