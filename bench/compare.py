@@ -76,7 +76,7 @@ def fmt(v, unit):
         return f"{v:,.0f} {unit}"
     if unit == "×":
         return f"{v:.3f}"
-    return f"{v:.2f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}" if v < 100 else f"{v:.0f} {unit}"
 
 
 def main():
