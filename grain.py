@@ -2337,10 +2337,10 @@ class GrainExecutor:
     def _pump(self):
         """Start queued jobs on workers that can allocate them.
 
-        Within a queue, oldest first with backfill (see the class). Between queues (missions on a head daemon): those
-        ``prioritized`` first; among equals, one job per queue per round, and each call
-        starts its rounds one queue further along, so a small mission is never stuck behind
-        a large one's backlog."""
+        Within a queue, oldest first with backfill (see the class). Between queues
+        (missions on a head daemon): those ``prioritized`` first; among equals, one job per
+        queue per round, and each call starts its rounds one queue further along, so a small
+        mission is never stuck behind a large one's backlog."""
         if self._attach is not None:
             self._forward()
             return

@@ -36,6 +36,19 @@ async def settle():
     gc.collect()
 
 
+async def fill_queue(submit):
+    """Submit one job (so that whatever a first job sets up is there), then measure N more,
+    report, and leave without waiting for jobs that can never run."""
+    submit()
+    await settle()
+    before = rss_bytes()
+    for _ in range(N):
+        submit()
+    await settle()
+    report(before, rss_bytes())
+    os._exit(0)
+
+
 def grainpy():
     import trio
     import grain
@@ -43,14 +56,7 @@ def grainpy():
 
     async def main(edge):
         async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
-            exer.submit(Cores(1), noop)
-            await settle()
-            before = rss_bytes()
-            for _ in range(N):
-                exer.submit(Cores(1), noop)
-            await settle()
-            report(before, rss_bytes())
-            os._exit(0)  # the jobs can never run: leave without waiting for them
+            await fill_queue(lambda: exer.submit(Cores(1), noop))
 
     with tempfile.TemporaryDirectory() as d:
         trio.run(main, os.path.join(d, "edge"))
@@ -67,14 +73,7 @@ def upstream():
     async def main():
         async with trio.open_nursery() as nursery:
             async with GrainExecutor(_n=nursery, nolocal=True, config=config) as exer:
-                exer.submit(Cores(1), noop)
-                await settle()
-                before = rss_bytes()
-                for _ in range(N):
-                    exer.submit(Cores(1), noop)
-                await settle()
-                report(before, rss_bytes())
-                os._exit(0)
+                await fill_queue(lambda: exer.submit(Cores(1), noop))
 
     trio.run(main)
 
