@@ -269,6 +269,14 @@ def add_note(exc, note):
         notes.append(note)
 
 
+def lone_exception(exc):
+    """The one exception inside a group of one (nested nurseries wrap an error in a group
+    each), or ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _is_async_callable(fn):
     """True for ``async def`` functions, partials of them and objects with ``async __call__``."""
     while isinstance(fn, functools.partial):
@@ -325,6 +333,32 @@ def self_argv(*args):
     return [python, *flags, *rest]
 
 
+def load_module(name, what):
+    """A context or specialized-worker module: a Python file (``path/to/ctx.py``), or an
+    importable module (``cool_package.the_sworker``). ``what`` names it in errors."""
+    if name.endswith(".py") or os.sep in name:
+        path = os.path.abspath(os.path.expanduser(name))
+        if not os.path.isfile(path):
+            raise GrainError(f"{what} {name}: no such file")
+        spec = importlib.util.spec_from_file_location(
+            os.path.splitext(os.path.basename(path))[0], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise GrainError(f"{what} {name}: cannot import it ({e})") from None
+
+
+def load_context(name, what="contextmod"):
+    """The ``grain_context`` async context manager of a context module."""
+    ctx = getattr(load_module(name, what), "grain_context", None)
+    if ctx is None:
+        raise GrainError(f"{what} {name}: defines no grain_context()")
+    return ctx
+
+
 @contextlib.asynccontextmanager
 async def open_background_nursery():
     """A nursery for background services: cancelled when the body ends. Unlike a plain
@@ -355,18 +389,18 @@ def _hostname():
 # part of its own kind: ``_request(req)`` (can I give this now?), ``_alloc(req)``
 # (give it: mutate self, return the allocation), ``_dealloc(alloc)`` (take it
 # back), ``_repr()`` and ``_stat()`` -> (free, total). The public methods
-# (request/alloc/dealloc/stat) spread a combined resource over its parts.
+# (request/alloc/dealloc/stat) spread a combined resource over its parts; a
+# request naming a kind the provider lacks is refused, as upstream Grain does.
+# Attributes mean what they meant there: ``.m``/``.v`` the amount now (free on
+# a provider, held by an allocation), ``.M``/``.V`` the total.
 
 
 class Resource:
     """Base of every resource kind. Subclass it and implement the five hooks to add a kind.
 
-    ``kind`` names the kind (default: the class name); ``_absent_ok`` says whether a
-    provider that lacks this kind altogether still accepts a request for it (True only for
-    WTime: a worker with no time limit runs timed jobs)."""
+    ``kind`` names the kind (default: the class name)."""
 
     kind = None
-    _absent_ok = False
     __slots__ = ()
 
     def __init_subclass__(cls, **kw):
@@ -390,9 +424,9 @@ class Resource:
     def _stat(self):
         return (0, 0)
 
-    def _alloc_absent(self):
-        """The allocation of this request on a provider that lacks the kind (``_absent_ok``)."""
-        return self
+    def _refusal(self, res):
+        """Why this provider cannot allocate ``res`` (alloc's error message)."""
+        return f"{self!r} cannot allocate {res!r}"
 
     def _args(self):
         """Constructor arguments: the dict form, equality and copies use them."""
@@ -402,25 +436,29 @@ class Resource:
     def _parts(self):
         return {self.kind: self}
 
-    def request(self, req):
-        """True if this provider can allocate ``req`` right now."""
-        if self.kind is not None and self.kind == req.kind:  # the hot path: one kind each
-            return self._request(req)
+    def _refuse(self, req):
+        """Why ``req`` cannot be allocated here now, or None if it can."""
         have = self._parts()
         for kind, want in req._parts().items():
             mine = have.get(kind)
             if mine is None:
-                if want._absent_ok:
-                    continue
-                return False
+                return (f"Cannot alloc: resource {self!r} does not have the same shape as "
+                        f"{req!r}")
             if not mine._request(want):
-                return False
-        return True
+                return mine._refusal(want)
+        return None
+
+    def request(self, req):
+        """True if this provider can allocate ``req`` right now."""
+        if self.kind is not None and self.kind == req.kind:  # the hot path: one kind each
+            return self._request(req)
+        return self._refuse(req) is None
 
     def alloc(self, req):
         """Take ``req`` out of this provider and return the specific allocation."""
-        if not self.request(req):
-            raise ValueError(f"{self!r} cannot satisfy the request {req!r}")
+        why = self._refuse(req)
+        if why is not None:
+            raise ValueError(why)
         return self._take(req)
 
     def _take(self, req):
@@ -428,11 +466,8 @@ class Resource:
         if self.kind is not None and self.kind == req.kind:
             return self._alloc(req)
         have = self._parts()
-        out = {}
-        for kind, want in req._parts().items():
-            mine = have.get(kind)
-            out[kind] = want._alloc_absent() if mine is None else mine._alloc(want)
-        return ResourceSet._of(out)
+        return ResourceSet._of({kind: have[kind]._alloc(want)
+                                for kind, want in req._parts().items()})
 
     def dealloc(self, alloc):
         """Give an allocation made by ``alloc`` back to this provider."""
@@ -442,8 +477,10 @@ class Resource:
         have = self._parts()
         for kind, part in alloc._parts().items():
             mine = have.get(kind)
-            if mine is not None:
-                mine._dealloc(part)
+            if mine is None:
+                raise ValueError(f"Cannot dealloc: resource {self!r} does not have the same "
+                                 f"shape as {alloc!r}")
+            mine._dealloc(part)
 
     def stat(self):
         """``{kind: (free, total)}`` for every part."""
@@ -557,6 +594,19 @@ class ResourceSet(Resource):
     def _parts(self):
         return self.parts
 
+    # A worker's provider is usually a set (cores, memory, time) and most requests are of
+    # one kind: answer those with one lookup. The scheduler asks this for every job.
+    def request(self, req):
+        if req.kind is not None:
+            mine = self.parts.get(req.kind)
+            return mine is not None and mine._request(req)
+        return self._refuse(req) is None
+
+    def _take(self, req):
+        if req.kind is not None:
+            return self.parts[req.kind]._alloc(req)
+        return super()._take(req)
+
     def _repr(self):
         return " & ".join(p._repr() for p in self.parts.values()) if self.parts else "Ø"
 
@@ -604,49 +654,78 @@ def _check_amount(value, what):
     return value
 
 
+class CoreIds(list):
+    """Core ids, sorted: a list (``c == [0, 1]``) that also answers set operations
+    (``a.c & b.c``, ``a.c | b.c``), as the set upstream Grain used did."""
+
+    __slots__ = ()
+
+    def __and__(self, other):
+        return set(self) & set(other)
+
+    def __or__(self, other):
+        return set(self) | set(other)
+
+    def __sub__(self, other):
+        return set(self) - set(other)
+
+    def __xor__(self, other):
+        return set(self) ^ set(other)
+
+    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
+
+    def __rsub__(self, other):
+        return set(other) - set(self)
+
+    def __eq__(self, other):
+        if isinstance(other, (set, frozenset)):
+            return set(self) == other
+        return list.__eq__(self, other)
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None
+
+    def __reduce__(self):
+        return CoreIds, (list(self),)
+
+
 class Cores(Resource):
-    """CPU cores. ``Cores(3)`` requests any three; ``Cores([6, 7, 9])`` names specific ids
-    (what a worker holds and what a job is given). ``.c`` is the list of ids (None for a
-    count request) and ``.N`` how many."""
+    """CPU cores. ``Cores(3)`` is three cores: as a request, any three; as a provider, ids
+    0-2. ``Cores([6, 7, 9])`` names the ids (what a worker holds and a job is given). ``.c``
+    is the list of ids, ``.N`` how many. A request counts cores; it never names them."""
 
     kind = "Cores"
     _ARGS = ("N",)
-    __slots__ = ("N", "c", "_total")
+    __slots__ = ("N", "c", "_total", "_counted")
 
     def __init__(self, N):
         if isinstance(N, int) and not isinstance(N, bool):
-            self.N = _check_count(N, "Cores(N): the core count")
-            self.c = None
+            ids, self._counted = list(range(_check_count(N, "Cores(N): the core count"))), True
         elif isinstance(N, (list, tuple, set, frozenset, range)):
             ids = sorted({_check_count(i, "Cores([ids]): a core id") for i in N})
-            self.c, self.N = ids, len(ids)
+            self._counted = False
         else:
             raise ValueError(f"Cores(N) takes a whole number of cores or a list of core ids, "
                              f"got {N!r}")
-        self._total = self.N
+        self.c, self.N, self._total = CoreIds(ids), len(ids), len(ids)
 
     @classmethod
     def _ids(cls, ids):  # fast constructor for allocations: ids already sorted and valid
         r = object.__new__(cls)
-        r.c, r.N, r._total = ids, len(ids), len(ids)
+        r.c, r.N, r._total, r._counted = CoreIds(ids), len(ids), len(ids), False
         return r
 
     def _request(self, res):
-        if res.c is None:
-            return res.N <= self.N
-        free = self.c
-        return all(i in free for i in res.c)
+        return res.N <= self.N
 
     def _alloc(self, res):
-        if res.c is None:
-            n = res.N
-            taken = self.c[:n]
-            del self.c[:n]
-        else:
-            taken = list(res.c)
-            for i in taken:
-                self.c.remove(i)
-        self.N = len(self.c)
+        n = res.N
+        taken = self.c[:n]
+        del self.c[:n]
+        self.N -= n
         return Cores._ids(taken)
 
     def _dealloc(self, res):
@@ -654,27 +733,32 @@ class Cores(Resource):
             bisect.insort(self.c, i)
         self.N = len(self.c)
 
+    def _refusal(self, res):
+        return f"{self!r} cannot allocate {res.N} core(s)"
+
     def _repr(self):
-        return f"CPU_Cores({self.N})" if self.c is None else f"CPU_Cores([{_fmt_ids(self.c)}])"
+        return f"CPU_Cores([{_fmt_ids(self.c)}])"
 
     def _stat(self):
         return (self.N, self._total)
 
     def _args(self):
-        return {"N": self.N if self.c is None else list(self.c)}
+        return {"N": self.N if self._counted else list(self.c)}
 
     def _key(self):
         return (self.N, self.c)
 
     def __getstate__(self):
-        return (self.N, self.c, self._total)
+        return (self.N, list(self.c), self._total, self._counted)
 
     def __setstate__(self, st):
-        self.N, self.c, self._total = st
+        self.N, c, self._total, self._counted = st
+        self.c = CoreIds(c)
 
 
 class _Quantity(Resource):
-    """A divisible amount a worker holds and jobs use up (Memory, Capacity)."""
+    """A divisible amount a worker holds and jobs use up (Memory, Capacity): ``_q`` now,
+    ``_total`` in all."""
 
     _UNIT = ""
     __slots__ = ("_q", "_total")
@@ -682,15 +766,23 @@ class _Quantity(Resource):
     def __init__(self, amount):
         self._q = self._total = _check_amount(amount, f"{self.kind}({self._ARGS[0]})")
 
+    def _need(self):
+        """What this request takes from a provider."""
+        return self._q
+
+    def _held(self):
+        """The allocation that grants this request."""
+        return type(self)(self._q)
+
     def _request(self, res):
-        return res._q <= self._q + 1e-9
+        return res._need() <= self._q + 1e-9
 
     def _alloc(self, res):
-        self._q -= res._q
-        return type(self)(res._q)
+        self._q -= res._need()
+        return res._held()
 
     def _dealloc(self, res):
-        self._q = min(self._total, self._q + res._q)
+        self._q += res._need()
 
     def _repr(self):
         return f"{self.kind}({self._q:g}{self._UNIT})"
@@ -709,30 +801,48 @@ class _Quantity(Resource):
 
 
 class Memory(_Quantity):
-    """Memory in GB: ``Memory(8)``; ``.M`` is the amount (int or float)."""
+    """Memory in GB: ``Memory(8)``. ``.m`` is the amount now (free on a provider, held by an
+    allocation), ``.M`` the total."""
 
     kind = "Memory"
     _ARGS = ("M",)
     _UNIT = "GB"
     __slots__ = ()
-    M = property(lambda self: self._q)
+    m = property(lambda self: self._q)
+    M = property(lambda self: self._total)
 
     def __init__(self, M):
         super().__init__(M)
 
 
 class Capacity(_Quantity):
-    """A unitless amount ``V`` a worker holds and jobs use up, e.g. licence seats.
-    ``ONE_INSTANCE`` (= ``Capacity(1)``) on a worker with ``Capacity(1)`` lets one job run
-    there at a time."""
+    """A unitless amount ``V`` a worker holds and jobs use up, e.g. licence seats; ``.v`` now,
+    ``.V`` in all. ``ONE_INSTANCE`` (``Capacity(-1)``, shown ``ONE``) takes one unit: on a
+    worker with ``Capacity(1)`` one such job runs at a time."""
 
     kind = "Capacity"
     _ARGS = ("V",)
     __slots__ = ()
-    V = property(lambda self: self._q)
+    v = property(lambda self: self._q)
+    V = property(lambda self: self._total)
 
     def __init__(self, V):
-        super().__init__(V)
+        if V == -1 and not isinstance(V, bool):
+            self._q = self._total = -1
+        else:
+            super().__init__(V)
+
+    def _need(self):
+        return 1 if self._total == -1 else self._q
+
+    def _held(self):
+        return Capacity(-1 if self._total == -1 else self._q)
+
+    def _refusal(self, res):
+        return f"{self!r} has no capacity for {res!r}"
+
+    def _repr(self):
+        return "ONE" if self._total == -1 else super()._repr()
 
 
 class Token(Resource):
@@ -757,6 +867,9 @@ class Token(Resource):
     def _dealloc(self, res):
         pass
 
+    def _refusal(self, res):
+        return f"{self!r} does not match {res!r}"
+
     def _repr(self):
         return f"Token({self.token})"
 
@@ -773,25 +886,64 @@ class Token(Resource):
         self.token = st
 
 
-def _clock():
-    """trio's clock inside a run (so MockClock tests see it), the monotonic clock outside."""
-    try:
-        return trio.current_time()
-    except RuntimeError:
-        return time.monotonic()
+def _timestamp():
+    """Now, for measuring a duration later with ``_elapsed``: trio's clock when inside a run
+    (so a test's MockClock moves it), and the wall clock (``time.time``, looked up at each
+    call) for when it is read outside that run."""
+    run_now = None
+    if "trio" in sys.modules:
+        with contextlib.suppress(RuntimeError):
+            run_now = sys.modules["trio"].current_time()
+    return (run_now, time.time())
+
+
+def _elapsed(stamp):
+    run_then, wall_then = stamp
+    if run_then is not None:
+        with contextlib.suppress(RuntimeError):
+            return sys.modules["trio"].current_time() - run_then
+    return time.time() - wall_then
+
+
+class _GroupTimes:
+    """Walltime estimates for WTime groups: from the first GROUP_SAMPLES runs longer than
+    GROUP_MIN_RUN_S, T = mean + 5 sd and softT = mean + 2 sd (sample standard deviation).
+    A WTime provider keeps one; the workers of an executor share theirs."""
+
+    def __init__(self):
+        self.samples = {}
+        self.limits = {}   # group -> (T, softT)
+
+    def record(self, group, seconds):
+        if seconds <= GROUP_MIN_RUN_S or group in self.limits:
+            return
+        runs = self.samples.setdefault(group, [])
+        runs.append(seconds)
+        if len(runs) >= GROUP_SAMPLES:
+            mean, sd = _statistics.mean(runs), _statistics.stdev(runs)
+            self.limits[group] = (mean + 5 * sd, mean + 2 * sd)
+            del self.samples[group]
+            log.info("WTime group %r: estimated T=%.1fs softT=%.1fs from %d runs",
+                     group, mean + 5 * sd, mean + 2 * sd, len(runs))
+
+
+
+def _hhmmss(seconds):
+    s = max(0, int(seconds))
+    return f"{s // 3600:02}:{s % 3600 // 60:02}:{s % 60:02}"
 
 
 class WTime(Resource):
     """Walltime. On a job: ``T`` is the hard limit (the job fails with ``trio.TooSlowError``
     past it), ``softT`` (default T) what a worker must still have left to take the job, and
-    ``group`` lets grain estimate T and softT from the group's first runs. On a worker:
-    ``WTime(T=..., countdown=True)`` is the time it has left, counting down from when it
-    starts. T and softT are seconds or ``[d-]hh:mm:ss``."""
+    ``group`` lets grain estimate T and softT from the group's first runs (an allocation of
+    a group request carries the estimate once it is known). On a worker:
+    ``WTime(T=..., countdown=True)`` is the time it has left, counting down from its
+    construction. T and softT are seconds or ``[d-]hh:mm:ss``; ``WTime()`` is unlimited."""
 
     kind = "WTime"
-    _absent_ok = True
     _ARGS = ("T", "softT", "group", "countdown")
-    __slots__ = ("T", "softT", "group", "countdown", "_deadline")
+    __slots__ = ("T", "softT", "group", "countdown", "_since", "_groups")
 
     def __init__(self, T=None, softT=None, group=None, countdown=False):
         self.T = parse_walltime(T, "WTime(T)")
@@ -806,41 +958,58 @@ class WTime(Resource):
             raise ValueError("WTime(countdown=True) needs T, the time the provider has")
         self.group = group
         self.countdown = bool(countdown)
-        self._deadline = None
-
-    def _start(self, now=None):
-        """Start the countdown of a provider (when its worker starts serving)."""
-        if self.countdown and self._deadline is None:
-            self._deadline = (_clock() if now is None else now) + self.T
+        # When the countdown started (a provider), or the timed run of a group (an
+        # allocation of a group request whose limits are not known yet).
+        self._since = _timestamp() if countdown else None
+        self._groups = None
 
     def remaining(self):
         """Seconds this provider has left (inf without a limit)."""
         if self.T is None:
             return math.inf
-        if self._deadline is None:
+        if self._since is None:
             return self.T
-        return max(0.0, self._deadline - _clock())
+        return max(0.0, self.T - _elapsed(self._since))
+
+    def _estimate(self, res):
+        """(T, softT) learnt for the group of ``res``, if it has one and no T of its own."""
+        if res.group is None or res.T is not None or self._groups is None:
+            return None
+        return self._groups.limits.get(res.group)
 
     def _request(self, res):
-        return res.softT is None or res.softT <= self.remaining()
+        soft = res.softT
+        if res.group is not None and res.T is None:
+            est = self._estimate(res)
+            soft = est[1] if est else None
+        return soft is None or soft <= self.remaining()
 
     def _alloc(self, res):
+        if res.group is not None and res.T is None:
+            est = self._estimate(res)
+            if est is not None:
+                return WTime(est[0], est[1], res.group)
+            run = WTime(group=res.group)
+            run._since = _timestamp()  # timed until it comes back (dealloc)
+            return run
         return WTime(res.T, res.softT, res.group)
 
     def _dealloc(self, res):
-        pass
+        if res.group is not None and res._since is not None and not res.countdown:
+            if self._groups is None:
+                self._groups = _GroupTimes()
+            self._groups.record(res.group, _elapsed(res._since))
+
+    def _refusal(self, res):
+        return f"{self!r} cannot allocate {res!r} (not enough time left)"
 
     def _repr(self):
-        fields = []
-        if self.countdown:
-            fields.append(f"left={format_walltime(self.remaining())}")
-        elif self.T is not None:
-            fields.append(f"T={format_walltime(self.T)}")
+        if self.group is not None and self.T is None:
+            return f"Walltime(group={self.group})"
+        text = "inf" if self.T is None else _hhmmss(self.remaining())
         if self.softT is not None and self.softT != self.T and not self.countdown:
-            fields.append(f"softT={format_walltime(self.softT)}")
-        if self.group is not None:
-            fields.append(f"group={self.group}")
-        return f"WTime({', '.join(fields)})"
+            text += f", softT={_hhmmss(self.softT)}"
+        return f"Walltime({text})"
 
     def _stat(self):
         return (self.remaining(), self.T if self.T is not None else math.inf)
@@ -862,12 +1031,13 @@ class WTime(Resource):
 
     def __getstate__(self):
         # A running countdown travels as the time left, restarted by the receiver.
-        T = self.remaining() if self._deadline is not None else self.T
+        T = self.remaining() if self.countdown else self.T
         return (T, self.softT, self.group, self.countdown)
 
     def __setstate__(self, st):
         self.T, self.softT, self.group, self.countdown = st
-        self._deadline = None
+        self._since = _timestamp() if self.countdown else None
+        self._groups = None
 
 
 def Node(N, M):
@@ -875,11 +1045,54 @@ def Node(N, M):
     return Cores(N) & Memory(M)
 
 
+Node._ARGS = ("N", "M")
+
+
+class Reject(Resource):
+    """A provider that grants nothing, now or later, wrapping another (``REJECT`` wraps
+    ``ZERO``): what is given back goes to the wrapped one, which ``eject()`` returns."""
+
+    kind = None
+    __slots__ = ("wrapped",)
+
+    def __init__(self, wrap=None):
+        self.wrapped = ZERO if wrap is None else wrap
+
+    def _parts(self):
+        return {}
+
+    def request(self, req):
+        return False
+
+    def alloc(self, req):
+        raise ValueError("No resource is or will be available")
+
+    def dealloc(self, alloc):
+        self.wrapped.dealloc(alloc)
+
+    def stat(self):
+        return self.wrapped.stat()
+
+    def eject(self):
+        return self.wrapped
+
+    def __and__(self, other):
+        return self
+
+    __rand__ = __and__
+
+    def __repr__(self):
+        return "N/A"
+
+
 ZERO = ResourceSet()
-ONE_INSTANCE = Capacity(1)
+ONE_INSTANCE = Capacity(-1)
+REJECT = Reject(ZERO)
+TIMESTAT_NSAMPLE = GROUP_SAMPLES  # upstream's name for it
 
 # The kinds the dict/TOML/JSON forms know, by name. register_resource() adds yours.
 RESOURCE_TYPES = {cls.kind: cls for cls in (Cores, Memory, WTime, Token, Capacity)}
+RESOURCE_TYPES["Node"] = Node
 
 
 def register_resource(cls):
@@ -912,9 +1125,8 @@ def _same_request(a, b):
     if type(a) is not type(b):
         return False
     if type(a) is Cores:
-        return a.N == b.N and a.c == b.c
+        return a.N == b.N
     return a == b
-
 
 ###############################################################################
 # Context #####################################################################
@@ -927,28 +1139,23 @@ _RES = contextvars.ContextVar("grain.res", default=ZERO)
 _INSTANCE = contextvars.ContextVar("grain.instance", default=None)
 _CONTEXT = contextvars.ContextVar("grain.context", default=None)
 _RUNTIME = contextvars.ContextVar("grain.runtime", default=None)
+_OUTPUT = contextvars.ContextVar("grain.output", default=None)  # where a local job prints
 
 
 class _GVar:
     """``grain.GVAR``: what the running job may know about itself.
 
     ``GVAR.res`` is the job's allocation (``ZERO`` outside jobs), ``GVAR.instance`` the name
-    of the worker running it, ``GVAR.context`` the value the worker's context module yielded."""
+    of the worker running it, ``GVAR.context`` the value the worker's context module yielded.
+    Each is context-local and assignable, as in upstream Grain: ``GVAR.res = Node(N=[0, 1],
+    M=1)`` in plain trio code gives that task and the tasks it starts this allocation."""
 
     __slots__ = ()
     __module__ = "grain"
 
-    @property
-    def res(self):
-        return _RES.get()
-
-    @property
-    def instance(self):
-        return _INSTANCE.get()
-
-    @property
-    def context(self):
-        return _CONTEXT.get()
+    res = property(lambda self: _RES.get(), lambda self, value: _RES.set(value))
+    instance = property(lambda self: _INSTANCE.get(), lambda self, value: _INSTANCE.set(value))
+    context = property(lambda self: _CONTEXT.get(), lambda self, value: _CONTEXT.set(value))
 
     def __reduce__(self):  # a pickled function that names GVAR finds the receiver's own
         return "GVAR"
@@ -1824,11 +2031,13 @@ class Worker:
     def __init__(self, executor, res, name):
         self.executor = executor
         self.name = name
+        self.offered = res             # as the worker offered it, for messages
+        if _part(res, "WTime") is None:  # no time limit: it runs timed jobs too
+            res = res & WTime()
         self.res = res.copy()          # free resources; allocation mutates this copy
-        for part in self.res._parts().values():
-            if isinstance(part, WTime):
-                part._start()
         self.total = res.copy()        # for display, and to tell what could ever fit
+        for provider in (self.res, self.total):  # one executor, one estimate per WTime group
+            _part(provider, "WTime")._groups = executor.group_times
         self.running = 0
         self.accepting = True          # False once told to drain (quit) or retiring
         self.reserved_for = None       # a long-blocked job: no other job starts here
@@ -1841,6 +2050,7 @@ class Worker:
 
     where = "local"   # where it runs, for `ls`
     job_id = None     # its batch job, if any
+    channel = None    # the connection to its process, if it has one
 
     def status(self):
         return "up" if self.accepting else "draining"
@@ -1860,7 +2070,7 @@ def _local_provider(rpw):
     process's affinity set; asking for more than it has gives virtual ids (oversubscription,
     useful for testing), with a note in the log."""
     cores = _part(rpw, "Cores")
-    if cores is None or cores.c is not None:
+    if cores is None or not cores._counted:
         return rpw
     allowed = _allowed_cores()
     if cores.N <= len(allowed):
@@ -1875,19 +2085,45 @@ def _local_provider(rpw):
 
 
 class LocalWorker(Worker):
-    """Runs jobs as trio tasks in this process, with GVAR set for each."""
+    """Runs jobs as trio tasks in this process, with GVAR set for each (``context`` is their
+    GVAR.context; ``output`` a file for what they print, see _routed_job_output). With
+    ``in_order``, jobs start in the order given, each running up to its first pause
+    before the next begins: upstream Grain guaranteed that order for resource-less calls."""
 
-    def __init__(self, executor, res, name, nursery):
+    def __init__(self, executor, res, name, nursery, context=None, output=None,
+                 in_order=False):
         super().__init__(executor, _local_provider(res), name)
         self._nursery = nursery
+        self.context = context
+        self.output = output
+        self._in_order = deque() if in_order else None
+        self._wake = None
 
     def start(self, job):
-        self._nursery.start_soon(self._run, job)
+        if self._in_order is None:
+            self._nursery.start_soon(self._run, job)
+            return
+        self._in_order.append(job)
+        if self._wake is None:
+            self._wake = trio.Event()
+            self._nursery.start_soon(self._start_in_order)
+        self._wake.set()
 
-    async def _run(self, job):
+    async def _start_in_order(self):
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._in_order:
+                await self._nursery.start(self._run, self._in_order.popleft())
+
+    async def _run(self, job, task_status=TASK_STATUS_IGNORED):
         _RES.set(job.alloc)
         _INSTANCE.set(self.name)
+        _CONTEXT.set(self.context)
+        if self.output is not None:
+            _OUTPUT.set(self.output)
         started = trio.current_time()
+        task_status.started()
         try:
             if job.T is None:
                 value = await job.fn(*job.args, **job.kwargs)
@@ -1895,9 +2131,44 @@ class LocalWorker(Worker):
                 with trio.fail_after(job.T):
                     value = await job.fn(*job.args, **job.kwargs)
         except Exception as e:
-            self.executor._job_ended(job, None, e, trio.current_time() - started)
+            self._report(job, None, e, trio.current_time() - started)
         else:
-            self.executor._job_ended(job, value, None, trio.current_time() - started)
+            self._report(job, value, None, trio.current_time() - started)
+
+    def _report(self, job, value, error, duration):
+        self.executor._job_ended(job, value, error, duration)
+
+
+class _RoutedStream:
+    """Stands for sys.stdout or sys.stderr while a mission's local worker has a log file
+    (``head.log_file``): what its jobs print goes to that file, the rest where it went."""
+
+    def __init__(self, default):
+        self._default = default
+
+    def write(self, text):
+        return (_OUTPUT.get() or self._default).write(text)
+
+    def flush(self):
+        target = _OUTPUT.get()
+        if target is not None:
+            target.flush()
+        self._default.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._default, name)
+
+
+@contextlib.contextmanager
+def _routed_job_output(path):
+    """The file the local worker's jobs print to (None: the terminal, as any print)."""
+    if not path:
+        yield None
+        return
+    with open(path, "a", buffering=1, encoding="utf-8") as f, \
+            contextlib.redirect_stdout(_RoutedStream(sys.stdout)), \
+            contextlib.redirect_stderr(_RoutedStream(sys.stderr)):
+        yield f
 
 
 NO_KWARGS = types.MappingProxyType({})
@@ -1940,12 +2211,12 @@ class RemoteWorker(Worker):
         return {"done": self.on_done, "leaving": self.on_leaving, "ping": lambda: None,
                 "cancelled": self.on_cancelled}
 
-    def on_done(self, jid, ok, data, duration):
+    def on_done(self, jid, ok, data, duration, kind=None):
         job = self.jobs.pop(jid, None)
         if job is None:
             return
         if self.executor.opaque:  # a head daemon passes results on to missions unopened
-            self.executor._job_ended(job, (ok, data), None, duration)
+            self.executor._job_ended(job, (ok, data, kind), None, duration)
             return
         try:
             value = loads_job_value(data)
@@ -2005,6 +2276,47 @@ class HeadLink(RemoteWorker):
     def message_handlers(self):
         return {"done": self.on_done, "ping": lambda: None,
                 "warn": lambda text: log.warning("%s", text)}
+
+
+class SpecializedWorker(LocalWorker):
+    """A specialized worker (upstream's "bring your own server"): its process keeps a server
+    running (the module's ``grain_run_sworker()``), and its jobs run here, in the mission,
+    each seeing the client that ``grain_context(**info)`` made as ``GVAR.context``. Jobs
+    still running when the process goes are re-queued, as a remote worker's would be."""
+
+    where = property(lambda self: f"pid {self.pid} on {self.host} (specialized)")
+
+    def __init__(self, executor, res, name, nursery, context, channel, pid, host, job_id):
+        super().__init__(executor, res, name, nursery, context)
+        self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
+        self.jobs = {}       # job id -> (Job, its cancel scope)
+        self.leaving = None
+
+    def start(self, job):
+        self._nursery.start_soon(self._run_here, job)
+
+    async def _run_here(self, job):
+        with trio.CancelScope() as scope:
+            self.jobs[job.id] = (job, scope)
+            await self._run(job)
+
+    def _report(self, job, value, error, duration):
+        if self.jobs.pop(job.id, None) is not None:  # else interrupted already
+            self.executor._job_ended(job, value, error, duration)
+
+    def message_handlers(self):
+        return {"ping": lambda: None, "leaving": self.on_leaving}
+
+    on_leaving = RemoteWorker.on_leaving
+
+    def status(self):
+        return "leaving" if self.leaving else super().status()
+
+    def interrupt_all(self, kind, why):
+        jobs, self.jobs = list(self.jobs.values()), {}
+        for job, scope in jobs:
+            scope.cancel()
+            self.executor._job_interrupted(job, kind, why)
 
 
 ###############################################################################
@@ -2113,44 +2425,37 @@ ExecutorStatistics = namedtuple(
 ExecutorStatistics.__doc__ = "Counters of an executor at one moment, for ``ls``."
 
 
-class _GroupTimes:
-    """Walltime estimates per WTime group, shared across all workers of an executor: from the
-    first GROUP_SAMPLES runs longer than GROUP_MIN_RUN_S, T = mean + 5 sd and
-    softT = mean + 2 sd (sample standard deviation)."""
-
-    def __init__(self):
-        self.samples = {}
-        self.limits = {}
-
-    def record(self, group, seconds):
-        if seconds <= GROUP_MIN_RUN_S or group in self.limits:
-            return
-        runs = self.samples.setdefault(group, [])
-        runs.append(seconds)
-        if len(runs) >= GROUP_SAMPLES:
-            mean, sd = _statistics.mean(runs), _statistics.stdev(runs)
-            self.limits[group] = (mean + 5 * sd, mean + 2 * sd)
-            log.info("WTime group %r: estimated T=%.1fs softT=%.1fs from %d runs",
-                     group, mean + 5 * sd, mean + 2 * sd, len(runs))
-
-    def resolve(self, job):
-        """Give a grouped job its group's limits once they are known."""
-        lim = self.limits.get(job.group)
-        if lim is None:
-            return
-        T, softT = lim
-        parts = dict(job.req._parts())
-        parts["WTime"] = WTime(T, softT, job.group)
-        job.req = ResourceSet._of(parts)
-        job.T = T
-
-
 # Failure classes a job can be retried for, kept apart in counters and messages.
 RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
 RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
 RETRY_LOST = "worker lost"               # its connection closed or went silent
 RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
 RETIRED_RETRIES = 20                     # retirements are not the job's fault: a wide bound
+
+
+def failure_class(error):
+    """How a job that raised ``error`` failed, for counts and messages (not retried)."""
+    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+
+
+# Upstream Grain's executor arguments that mean nothing here, and why.
+_NO_EFFECT = {
+    "_n": "grain.py runs the executor in a nursery of its own",
+    "config": "give run() config_file=... instead of a loaded config",
+    "stat_tag": "grain.py keeps no timing statistics by tag; `ls` counts jobs by failure class",
+    "sworker_config": "specialized workers come from worker.specialized_type in the config",
+    "gnaw": "missions find the head daemon by the address (head.listen)",
+}
+
+
+def _note_no_effect(where, options):
+    """Accept upstream's executor arguments that have no effect here, saying why in one line
+    each; refuse any other unknown argument, as Python would."""
+    for name, value in options.items():
+        why = _NO_EFFECT.get(name)
+        if why is None:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+        log.warning("%s(%s=...) has no effect in grain.py: %s", where, name, why)
 
 
 class GrainExecutor:
@@ -2190,14 +2495,21 @@ class GrainExecutor:
 
     opaque = False  # True on a head daemon: job values stay pickled bytes
 
-    def __init__(self, rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES, name="local",
-                 listen=None, key=None, waddrs=(), max_frame=MAX_FRAME,
-                 listen_optional=False, job_book=None, attach=None, mission_info=None):
+    def __init__(self, waddrs=(), rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES,
+                 name="local", listen=None, key=None, max_frame=MAX_FRAME,
+                 listen_optional=False, job_book=None, attach=None, mission_info=None,
+                 context=None, job_log=None, backendless=(), nolocal=False, reschedule=True,
+                 persistent=True, **no_effect):
+        if isinstance(waddrs, Resource):  # grain.py's GrainExecutor(rpw) (upstream: waddrs first)
+            waddrs, rpw = (), waddrs
         if rpw is not None and not isinstance(rpw, Resource):
             raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
+        _note_no_effect("GrainExecutor", no_effect)
         if isinstance(temporary_err, type):
             temporary_err = (temporary_err,)
-        self.rpw = rpw
+        if not reschedule:  # upstream: "abort on any exception": no retry at all
+            temporary_err, max_retries = (), 0
+        self.rpw = None if nolocal else rpw
         self.temporary_err = tuple(temporary_err)
         self.max_retries = _check_count(max_retries, "max_retries")
         self.local_name = name
@@ -2209,7 +2521,7 @@ class GrainExecutor:
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
-        self._group_times = _GroupTimes()
+        self.group_times = _GroupTimes()  # shared by the WTime of every worker
         self._nursery = None
         self._zero_worker = None
         self._sync_jobs = None
@@ -2225,6 +2537,9 @@ class GrainExecutor:
         self.urls = {}           # where this head listens: {interface: url}
         self.joined_job_ids = set()  # batch job ids of every worker that ever registered
         self.job_book = job_book  # (system, JobBook) to watch for jobs that never join
+        self.context = context    # the context module's grain_context, for local jobs
+        self.job_log = job_log    # where the local worker's jobs print (head.log_file)
+        self.backendless = list(backendless)  # (module, resources) of backendless workers
         self._remote = bool(listen or waddrs)  # jobs may leave this process: pickle them
         self._fn_cache = {}
         # A mission attached to a head daemon: ``attach()`` gives a stream to it, and every
@@ -2236,8 +2551,9 @@ class GrainExecutor:
         self._closing = False
         if attach is not None:
             self._remote = True
+        lost = self.max_retries if persistent else 0  # upstream: abort when a worker leaves
         self._budgets = {RETRY_TEMPORARY: self.max_retries, RETRY_INFRA: self.max_retries,
-                         RETRY_LOST: self.max_retries, RETRY_RETIRED: RETIRED_RETRIES}
+                         RETRY_LOST: lost, RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
 
     # -- submission -------------------------------------------------------
     def submit(self, res, fn, *args, **kwargs):
@@ -2368,8 +2684,6 @@ class GrainExecutor:
         started = 0
         while jobs and started != limit:
             job = jobs[0]
-            if job.group is not None and job.T is None:
-                self._group_times.resolve(job)
             req = job.req
             for w in workers:
                 if w.accepting and w.res.request(req) and (
@@ -2395,6 +2709,8 @@ class GrainExecutor:
             job.state = "running"  # as _launch, inlined: this is the hot path
             job.attempts += 1
             job.alloc = w.res._take(req)
+            if job.group is not None:
+                job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
             job.worker = w
             w.running += 1
             w.start(job)
@@ -2405,6 +2721,8 @@ class GrainExecutor:
         job.state = "running"
         job.attempts += 1
         job.alloc = w.res._take(job.req)
+        if job.group is not None:
+            job.T = _part(job.alloc, "WTime").T
         job.worker = w
         w.running += 1
         w.start(job)
@@ -2452,8 +2770,6 @@ class GrainExecutor:
         started = 0
         while i < stop and started != limit:
             job = jobs[i]
-            if job.group is not None and job.T is None:
-                self._group_times.resolve(job)
             req = job.req
             for f in failed:
                 if _same_request(req, f):
@@ -2557,7 +2873,7 @@ class GrainExecutor:
     async def wait_for_workers(self, n, remote_only=True):
         """Wait until at least ``n`` (remote) workers have joined."""
         while sum(1 for w in self.workers
-                  if not remote_only or isinstance(w, RemoteWorker)) < n:
+                  if not remote_only or w.channel is not None) < n:
             await self._workers_changed.wait()
 
     def remove_worker(self, worker):
@@ -2565,34 +2881,34 @@ class GrainExecutor:
             self.workers.remove(worker)
 
     # -- completion ---------------------------------------------------------
+    def _release(self, job, ok=False):
+        """Give a job's allocation back to its worker (only a run that succeeded teaches its
+        WTime group how long the group's runs take)."""
+        w, alloc = job.worker, job.alloc
+        w.running -= 1
+        job.alloc = None
+        if alloc is not ZERO:
+            if not ok and job.group is not None:
+                _part(alloc, "WTime")._since = None
+            w.res.dealloc(alloc)
+        return w
+
     def _job_ended(self, job, value, error, duration):
         """Called by a worker exactly once per attempt it started."""
-        w = job.worker
-        w.running -= 1
-        if job.alloc is not ZERO:
-            w.res.dealloc(job.alloc)
-        job.alloc = None
+        self._release(job, ok=error is None)
         job.duration = duration
         if error is None:
-            if job.group is not None:
-                self._group_times.record(job.group, duration)
             self._complete(job, value, None)
         else:
             kind = self._retry_class(error)
-            if kind is not None and self._retry(job, kind, error):
-                pass
-            else:
+            if kind is None or not self._retry(job, kind, error):
                 self._complete(job, None, error, kind)
         if self._n_queued:
             self._pump()
 
     def _job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
-        w = job.worker
-        w.running -= 1
-        with contextlib.suppress(Exception):
-            w.res.dealloc(job.alloc)
-        job.alloc = None
+        w = self._release(job)
         cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
         error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
         if not self._retry(job, kind, error):
@@ -2602,10 +2918,7 @@ class GrainExecutor:
 
     def _job_cancelled(self, job):
         """A job cancelled on its worker has stopped; its mission has gone already."""
-        w = job.worker
-        w.running -= 1
-        w.res.dealloc(job.alloc)
-        job.alloc = None
+        self._release(job)
         job.state = "failed"
         if self._n_queued:
             self._pump()
@@ -2630,6 +2943,9 @@ class GrainExecutor:
         log.warning("job %s failed with %s (%s, attempt %d); retrying",
                     job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
         job.state = "queued"
+        if not job.req._parts():  # no resources: it runs here again at once, as the first time
+            self._enqueue(job)
+            return True
         job.queue.jobs.appendleft(job)  # it was submitted before everything behind it
         job.queue.run = 0
         self._n_queued += 1
@@ -2639,20 +2955,22 @@ class GrainExecutor:
         if error is None:
             job.value = value
             job.state = "done"
-            self.counts["done"] += 1
         else:
             self._note_attempts(job, error, kind)
             job.error = error
             job.state = "failed"
-            self.counts["failed"] += 1
-            if kind is None:
-                kind = "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
-            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
+        self._count(job.state, kind or (error is not None and failure_class(error)))
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
         if self._outstanding == 0 and self._all_done is not None:
             self._all_done.set()
+
+    def _count(self, state, kind):
+        """Count a job that ended (``state`` "done" or "failed", of failure class ``kind``)."""
+        self.counts[state] += 1
+        if state == "failed":
+            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
 
     def _note_attempts(self, job, error, kind):
         if kind is not None and job.attempts > 1:
@@ -2682,7 +3000,7 @@ class GrainExecutor:
         job = q.blocked_job
         if self.workers:
             big = max(self.workers, key=lambda w: _size_key(w.total))
-            where = f"the largest worker is {big.name} with {big.total!r}"
+            where = f"the largest worker is {big.name} with {big.offered!r}"
         else:
             where = ("no worker has joined yet (give run() local=..., or start workers "
                      "with `python grain.py up`)")
@@ -2799,14 +3117,29 @@ class GrainExecutor:
             await channel.aclose()
 
     async def _serve_worker(self, channel, info):
-        w = RemoteWorker(self, info["res"], info["name"], channel, info.get("pid"),
-                         info.get("host"), info.get("job_id"))
+        sworker = info.get("sworker")
+        if sworker is None:
+            await self._keep_worker(channel, info, RemoteWorker(
+                self, info["res"], info["name"], channel, info.get("pid"), info.get("host"),
+                info.get("job_id")))
+            return
+        if self.opaque:  # its jobs would run here, where no user code runs
+            raise PeerError(f"specialized worker {info['name']} ({sworker['type']}): only a "
+                            "mission that is its own head runs specialized workers' jobs")
+        module = load_module(sworker["type"], "specialized worker type")
+        async with module.grain_context(**sworker["info"]) as value:
+            await self._keep_worker(channel, info, SpecializedWorker(
+                self, info["res"], info["name"], self._nursery, value, channel,
+                info.get("pid"), info.get("host"), info.get("job_id")))
+
+    async def _keep_worker(self, channel, info, w):
+        """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
         self.joined_job_ids.add(info.get("job_id"))
         if self.job_book is not None and info.get("job_id"):
             await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
         self.add_worker(w)
         log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
-                 w.total)
+                 w.offered)
         why, kind = "was lost (its connection closed)", RETRY_LOST
         silent = []  # set by the silence watchdog
         try:
@@ -2848,10 +3181,11 @@ class GrainExecutor:
                 raise PeerError(f"unknown message {msg!r:.60}") from None
             handler(*msg[1:])
 
-    async def _serve_mission(self, channel, info):
-        channel.send(("refused", f"the head at {self.listen} runs a mission of its own (pid "
-                                 f"{os.getpid()} on {_hostname()}), not a shared head daemon; "
-                                 "give this mission a different address, or local=..."))
+    async def _serve_mission(self, channel, info, why=None):
+        channel.send(("refused", why or f"the head at {self.listen} runs a mission of its own "
+                                        f"(pid {os.getpid()} on {_hostname()}), not a shared "
+                                        "head daemon; give this mission a different address, "
+                                        "or local=..."))
         channel.close_after_flush()
         await channel.flushed.wait()
 
@@ -2879,7 +3213,7 @@ class GrainExecutor:
                     "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
                     "memory": (w.free.get("Memory", (0, 0))[0],
                                w.total.get("Memory", (0, 0))[1]),
-                    "walltime": w.free["WTime"][0] if "WTime" in w.free else None,
+                    "walltime": w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                     "running": w.running, "status": w.status, "where": w.where,
                     "job_id": w.job_id}
                    for w in st.workers]
@@ -2895,7 +3229,7 @@ class GrainExecutor:
         for w in list(self.workers):
             if not fnmatch.fnmatchcase(w.name, pattern):
                 continue
-            if not isinstance(w, RemoteWorker):
+            if w.channel is None:
                 done.append(f"{w.name}: the in-process worker cannot quit (skipped)")
                 continue
             w.accepting = False
@@ -2923,7 +3257,7 @@ class GrainExecutor:
             states = await trio.to_thread.run_sync(batch_states, system,
                                                    [r["id"] for r in records], custom)
             for r in records:
-                if r["id"] not in states:
+                if states[r["id"]] == ENDED:
                     reported.add(r["id"])
                     self._warn_all(f"batch job {r['id']} ({r['name']}) ended without its "
                                    f"worker ever joining; the end of its log {r['log']}:\n"
@@ -2936,7 +3270,7 @@ class GrainExecutor:
     async def _say_goodbye(self, abort=False):
         """FIN to every remote worker (or, when the mission failed, "leave now": no one will
         read what they are still computing), and wait (a little) for it to go out."""
-        remote = [w for w in self.workers if isinstance(w, RemoteWorker)]
+        remote = [w for w in self.workers if w.channel is not None]
         for w in remote:
             w.channel.send(("leave",) if abort else ("fin",))
             w.channel.close_after_flush()
@@ -2963,6 +3297,20 @@ class GrainExecutor:
     # -- lifetime -----------------------------------------------------------
     async def __aenter__(self):
         self._stack = contextlib.AsyncExitStack()
+        self._rt_token = None
+        try:
+            await self._open()
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def _open(self):
+        # The context modules first: they outlive the nursery where jobs run.
+        output = self._stack.enter_context(_routed_job_output(self.job_log))
+        context = await self._stack.enter_async_context(self.context()) if self.context else None
+        backendless = [await self._enter_backendless(module, res)
+                       for module, res in self.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
@@ -2971,30 +3319,43 @@ class GrainExecutor:
         self._rt_token = _RUNTIME.set(self._runtime)
         self._t0 = time.perf_counter()
         self._workers_changed = trio.Event()
-        self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery)
+        self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery, context,
+                                        output, in_order=True)
         if self.rpw is not None and self.rpw._parts():
-            self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery))
+            self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery,
+                                        context, output))
+        for name, value, res in backendless:
+            self.add_worker(LocalWorker(self, res, name, self._nursery, value))
         self._nursery.start_soon(self._watch_stuck)
         if self._remote and self.key is None:
             self.key = load_auth_key()
         if self.listen:
             try:
                 await self._nursery.start(self._serve)
-            except GrainError as e:
-                if not self.listen_optional:
-                    await self._stack.__aexit__(None, None, None)
-                    _RUNTIME.reset(self._rt_token)
-                    raise
+            except (GrainError, BaseExceptionGroup) as e:
+                e = lone_exception(e)
+                if not (isinstance(e, GrainError) and self.listen_optional):
+                    raise e from None
                 log.warning("%s; this mission runs without accepting workers", e)
-            except BaseException:
-                await self._stack.__aexit__(None, None, None)
-                _RUNTIME.reset(self._rt_token)
-                raise
         for url in self.waddrs:
             self._nursery.start_soon(self._dial_passive, url)
         if self.job_book is not None:
             self._nursery.start_soon(self._watch_submitted_jobs)
-        return self
+
+    async def _enter_backendless(self, module, res):
+        """Start a backendless specialized worker here: (name, GVAR.context, resources)."""
+        info = dict(await self._stack.enter_async_context(module.grain_run_sworker()))
+        name = info.pop("name", None) or module.__name__
+        value = await self._stack.enter_async_context(module.grain_context(**info))
+        log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
+        return name, value, res
+
+    async def _close(self):
+        if self._rt_token is not None:  # before the context modules, which may set it too
+            _RUNTIME.reset(self._rt_token)
+            self._rt_token = None
+        await self._stack.__aexit__(None, None, None)
+        self._nursery = None
 
     async def __aexit__(self, etype, exc, tb):
         try:
@@ -3004,9 +3365,7 @@ class GrainExecutor:
             self._closing = True
             with trio.CancelScope(shield=True):
                 await self._say_goodbye(abort=etype is not None)
-            await self._stack.__aexit__(None, None, None)
-            _RUNTIME.reset(self._rt_token)
-            self._nursery = None
+            await self._close()
             self.elapsed = time.perf_counter() - self._t0
             if not self.opaque:  # (a head daemon runs no jobs of its own)
                 log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
@@ -3080,12 +3439,21 @@ class WaitGroup:
         self._items.append(job)
         return job
 
+    async def asubmit(self, res, fn, *args, **kwargs):
+        """submit(), awaitable (upstream's form for a bounded queue; ours never blocks)."""
+        await trio.lowlevel.checkpoint()
+        return self.submit(res, fn, *args, **kwargs)
+
     def start_subtask(self, afn, *args, **kwargs):
         """Run ``afn(*args, **kwargs)`` locally, in parallel; it may submit jobs itself."""
         sub = _Subtask()
         self._items.append(sub)
         self._nursery.start_soon(sub.run, afn, args, kwargs)
         return sub
+
+    def load_cache_or_submit(self, res, fn, *args, **kwargs):
+        """A subtask giving ``fn``'s cached value, or its job's (see load_cache_or_exec1)."""
+        return self.start_subtask(load_cache_or_exec1, res, fn, *args, **kwargs)
 
     @property
     def results(self):
@@ -3129,11 +3497,40 @@ async def exec1(res, fn, *args, **kwargs):
     return await _current_executor("grain.exec1()").submit(res, fn, *args, **kwargs)
 
 
-def _as_mains(main):
-    if isinstance(main, (list, tuple)):
-        mains = list(main)
+async def load_cache_or_exec1(res, fn, *args, **kwargs):
+    """``fn.cache_fn`` first, then the job only if it found nothing (upstream's protocol).
+
+    ``cache_fn`` takes the arguments of ``fn`` it names (a subset of fn's parameters, in
+    order) and returns ``(found, value)``; it runs here, or as a job of its own when
+    ``fn.cache_res`` is a resource other than ZERO. A cache_fn that raises found nothing."""
+    cache_fn = fn.cache_fn
+    wanted = list(inspect.signature(cache_fn).parameters)
+    cache_kwargs = {}
+    while wanted and wanted[-1] in kwargs:
+        name = wanted.pop()
+        cache_kwargs[name] = kwargs[name]
+    params, cache_args, i = list(inspect.signature(fn).parameters), [], 0
+    for name in wanted:
+        while i < len(args) and params[i] != name:
+            i += 1
+        if i == len(args):
+            raise ValueError(f"{_callable_name(cache_fn)} takes {name!r}, which the call of "
+                             f"{_callable_name(fn)} does not give positionally")
+        cache_args.append(args[i])
+    cache_res = getattr(fn, "cache_res", ZERO)
+    if not cache_res._parts():
+        try:
+            found, value = await cache_fn(*cache_args, **cache_kwargs)
+        except Exception:
+            found = False
     else:
-        mains = [main]
+        found, value = await exec1(cache_res, cache_fn, *cache_args, **cache_kwargs)
+    return value if found else await exec1(res, fn, *args, **kwargs)
+
+
+def _as_mains(main):
+    """The list of main functions in ``main`` (one, or an iterable of them)."""
+    mains = list(main) if not callable(main) and hasattr(main, "__iter__") else [main]
     for m in mains:
         if not _is_async_callable(m):
             raise TypeError(f"the main function must be async (or a partial of one), "
@@ -3141,8 +3538,8 @@ def _as_mains(main):
     return mains
 
 
-async def _run_mission(mains, local, single, executor_kw):
-    async with GrainExecutor(rpw=local, **executor_kw) as exer:
+async def _run_mission(mains, single, executor_args, executor_kwargs):
+    async with GrainExecutor(*executor_args, **executor_kwargs) as exer:
         if single:
             return await mains[0]()
         results = [None] * len(mains)
@@ -3156,49 +3553,63 @@ async def _run_mission(mains, local, single, executor_kw):
         return results
 
 
-def run_combine(main, waddrs=(), rpw=ZERO, *, address=None, config_file=None,
-                temporary_err=(), max_retries=MAX_RETRIES):
-    """Run a mission: ``main`` (or a list of mains, run in parallel) with a local worker
-    holding ``rpw``, and each passive worker at ``waddrs`` (``tcp://host:port``) given
-    ``rpw`` too. The head listens at ``address`` for workers and CLI clients (default: the
-    Edge file; False: do not listen). Returns main's return value (a list for a list of
-    mains)."""
+def _start_mission(main, executor_args, executor_kwargs, config_file, address,
+                   may_attach, name=None, prioritized=False):
+    """Run a mission of ``main`` with GrainExecutor's arguments (upstream's positional
+    ``waddrs, rpw`` included) and what the config adds to them."""
     mains = _as_mains(main)
     _default_logging()
-    for url in waddrs:
-        parse_url(url)
-    return trio.run(_run_mission, mains, rpw, not isinstance(main, (list, tuple)),
-                    _mission_options(address, config_file, temporary_err, max_retries, waddrs))
+    options = _mission_options(load_config(config_file), address, executor_args,
+                               executor_kwargs, may_attach and config_file is not False,
+                               name, prioritized)
+    return trio.run(_run_mission, mains, len(mains) == 1 and callable(main),
+                    executor_args, {**executor_kwargs, **options})
 
 
-def _mission_options(address, config_file, temporary_err, max_retries, waddrs=(),
-                     attach=False, prioritized=False):
-    """GrainExecutor arguments for a mission, from run()'s arguments and the config (late
-    binding: the config and head daemon sections are further down). With ``attach``, the
-    mission's jobs go to the head daemon for the address, started if none runs."""
-    cfg = load_config(config_file)
+def run_combine(main, *executor_args, config_file=None, address=None, **executor_kwargs):
+    """Run a mission: ``main`` (or a list of mains, run in parallel) with this process as
+    the head. GrainExecutor's arguments: ``waddrs`` (passive workers to dial,
+    ``tcp://host:port`` or a host, port 4242) and ``rpw`` (the local worker's resources,
+    given to each passive worker too), ``temporary_err``, ``max_retries``, ... The head
+    listens at ``address`` for workers and CLI clients (default: the config's, the Edge
+    file; False: do not listen). Returns main's value (a list for a list of mains)."""
+    return _start_mission(main, executor_args, executor_kwargs, config_file, address,
+                          may_attach=False)
+
+
+def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, name,
+                     prioritized):
+    """GrainExecutor arguments for a mission from the config (late binding: the config and
+    head daemon sections are further down). Its jobs go to the head daemon for the address
+    (started if none runs) unless it may not attach or asks for a head of its own: local
+    resources (``rpw``), passive workers, ``[head.gnaw] enabled = false``, or a specialized
+    worker type, whose jobs run in the mission."""
     head, worker = cfg.role("head"), cfg.role("worker")
     if address is None:
         address = head.listen
     if address:
         parse_url(address)
-    if attach and address:
+    waddrs = executor_args[0] if executor_args else executor_kwargs.get("waddrs", ())
+    own_head = (len(executor_args) > 1 or "rpw" in executor_kwargs or waddrs
+                or not head.gnaw_enabled or worker.specialized_type)
+    key = load_auth_key(head.auth_key or None) if (address or waddrs) else None
+    if may_attach and address and not own_head:
         config = ["-c", cfg.path] if cfg.path else ["--no-config"]
-        log_file = os.path.abspath(_stamp(head.log_file or "grain-head-{{HHMMSS}}.log",
-                                          time.time()))
-        return {"temporary_err": temporary_err, "max_retries": max_retries,
-                "attach": functools.partial(
-                    attach_to_head, address, load_auth_key(head.auth_key or None),
-                    self_argv("head", *config, "-a", address), log_file),
-                "mission_info": {"name": os.path.basename(sys.argv[0]) or "python",
+        log_file = os.path.abspath(_stamp(head.daemon_log, time.time()))
+        return {"attach": functools.partial(attach_to_head, address, key,
+                                            self_argv("head", *config, "-a", address),
+                                            log_file),
+                "mission_info": {"name": name or os.path.basename(sys.argv[0]) or "python",
                                  "pid": os.getpid(), "host": _hostname(),
                                  "prioritized": bool(prioritized)}}
     watch = worker.system in ("slurm", "pbs") and address
-    return {"temporary_err": temporary_err, "max_retries": max_retries,
-            "listen": address or None, "waddrs": waddrs, "listen_optional": True,
-            "key": load_auth_key(head.auth_key or None) if (address or waddrs) else None,
+    return {"listen": address or None, "listen_optional": True, "key": key,
             "job_book": (worker.system, JobBook(worker.dial), worker.custom_system)
-                         if watch else None}
+            if watch else None,
+            "context": load_context(head.contextmod) if head.contextmod else None,
+            "job_log": os.path.abspath(_stamp(head.log_file, time.time()))
+            if head.log_file else None,
+            "backendless": backendless_workers(worker)}
 
 
 ###############################################################################
@@ -3221,6 +3632,11 @@ def _copy_setitem(obj, key, value):
     new = copy.copy(obj)
     new[key] = value
     return new
+
+
+def _setitem_in_place(obj, key, value):  # copy_on_setitem=False
+    obj[key] = value
+    return obj
 
 
 def _gather(*values):
@@ -3268,16 +3684,20 @@ def _substitute(obj):
 
 
 class Delayed:
-    """A placeholder for a value that jobs are computing. ``await`` it for the value."""
+    """A placeholder for a value that jobs are computing. ``await`` it for the value.
 
-    __slots__ = ("_job", "_op", "_args", "_kwargs", "_nout", "_value")
+    ``d[k] = v`` makes ``d`` stand for a copy of its value with the item set, so what was
+    built from ``d`` before keeps the old value (``copy_on_setitem=False``: the value itself
+    is changed, and what reads it after sees the change)."""
+
+    __slots__ = ("_job", "_op", "_args", "_kwargs", "_nout", "_value", "_cow")
     __array_priority__ = 1000  # NumPy: let our reflected operators win
 
-    def __init__(self, value=_NO_VALUE):
-        self._fill(self, None, None, (), None, None, value)
+    def __init__(self, value=_NO_VALUE, nout=None, copy_on_setitem=True):
+        self._fill(self, None, None, (), None, nout, value, copy_on_setitem)
 
     @staticmethod
-    def _fill(d, job, op, args, kwargs, nout, value):
+    def _fill(d, job, op, args, kwargs, nout, value, cow=True):
         # Delayed refuses setattr (it is a placeholder), so its own slots are set this way.
         set_ = object.__setattr__
         set_(d, "_job", job)
@@ -3286,21 +3706,24 @@ class Delayed:
         set_(d, "_kwargs", kwargs)
         set_(d, "_nout", nout)
         set_(d, "_value", value)
+        set_(d, "_cow", cow)
         return d
 
     @classmethod
-    def _of_job(cls, job, nout=None):
-        return cls._fill(object.__new__(cls), job, None, (), None, nout, _NO_VALUE)
+    def _of_job(cls, job, nout=None, cow=True):
+        return cls._fill(object.__new__(cls), job, None, (), None, nout, _NO_VALUE, cow)
 
     @classmethod
     def _apply(cls, op, args, kwargs=None, nout=None):
+        # A placeholder made from others keeps the copy_on_setitem of the first of them.
+        cow = next((a._cow for a in args if isinstance(a, Delayed)), True)
         return cls._fill(object.__new__(cls), None, op, _capture(args),
-                         _capture(kwargs) if kwargs else None, nout, _NO_VALUE)
+                         _capture(kwargs) if kwargs else None, nout, _NO_VALUE, cow)
 
     def _snapshot(self):
         """A new placeholder for this one's current value (shares its job and cache)."""
         return self._fill(object.__new__(Delayed), self._job, self._op, self._args,
-                          self._kwargs, self._nout, self._value)
+                          self._kwargs, self._nout, self._value, self._cow)
 
     # -- evaluation ---------------------------------------------------------
     def __await__(self):
@@ -3334,8 +3757,8 @@ class Delayed:
 
     # -- what it composes with ------------------------------------------------
     def __getattr__(self, name):
-        if name.startswith("__") or name in Delayed.__slots__:
-            raise AttributeError(name)
+        if name.startswith("_"):  # private and special names are never composed
+            raise AttributeError(f"a Delayed has no attribute {name!r}")
         return Delayed._apply(getattr, (self, name))
 
     def __getitem__(self, key):
@@ -3344,8 +3767,9 @@ class Delayed:
     def __setitem__(self, key, value):
         # Copy-on-setitem: this placeholder now stands for a copy of the old value with the
         # item set; whoever holds the old value (e.g. another delayed) is not affected.
-        self._fill(self, None, _copy_setitem, (self._snapshot(), _capture(key), _capture(value)),
-                   None, self._nout, _NO_VALUE)
+        op = _copy_setitem if self._cow else _setitem_in_place
+        self._fill(self, None, op, (self._snapshot(), _capture(key), _capture(value)),
+                   None, self._nout, _NO_VALUE, self._cow)
 
     def __call__(self, *args, **kwargs):
         return Delayed._apply(_call, (self, *args), kwargs or None)
@@ -3397,9 +3821,6 @@ async def _evaluate(root):
     """The value of a Delayed: await its jobs, then apply its operations bottom-up."""
     if root._value is not _NO_VALUE:
         return root._value
-    if _RUNTIME.get() is None:
-        raise RuntimeError("a Delayed can only be awaited inside a grain mission, i.e. in "
-                           "code run by grain.delayed.run(main, ...)")
     stack = [root]
     while stack:
         node = stack[-1]
@@ -3430,23 +3851,23 @@ async def _resolve_arguments(args, kwargs):
     return _substitute(args), _substitute(kwargs)
 
 
-class DelayedFunction:
+class DelayedFn:
     """An async function that submits a job each time it is called. ``fn @ res`` binds the
-    resource request; without one the job runs locally (in this process) at once."""
+    resource request; without one the job runs locally (in this process) at once, calls
+    starting in the order they were made."""
 
-    __slots__ = ("fn", "res", "nout")
+    __slots__ = ("fn", "res", "nout", "copy")
 
-    def __init__(self, fn, res=ZERO, nout=None):
+    def __init__(self, fn, res=ZERO, nout=None, copy_on_setitem=True):
         self.fn = fn
         self.res = res
         self.nout = nout
+        self.copy = copy_on_setitem
 
     def __matmul__(self, res):
         if not isinstance(res, Resource):
             return NotImplemented
-        bound = object.__new__(DelayedFunction)
-        bound.fn, bound.res, bound.nout = self.fn, res, self.nout
-        return bound
+        return DelayedFn(self.fn, res, self.nout, self.copy)
 
     def __call__(self, *args, **kwargs):
         rt = _RUNTIME.get()
@@ -3458,7 +3879,7 @@ class DelayedFunction:
                                      _resolve_arguments)
         else:
             job = exer._submit(self.res, self.fn, args, kwargs)
-        return Delayed._of_job(job, self.nout)
+        return Delayed._of_job(job, self.nout, self.copy)
 
     @property
     def __wrapped__(self):
@@ -3473,25 +3894,32 @@ class DelayedFunction:
         return f"<delayed {_callable_name(self.fn)}{res}>"
 
 
-def delayed(fn=None, *, nout=None):
-    """Decorator: make an async function delayed. ``@delayed`` or ``@delayed(nout=2)`` (the
-    function returns 2 values, so the call can be unpacked)."""
+DelayedFunction = DelayedFn  # grain.py's first name for it
+
+
+def delayed(fn=None, nout=None, copy_on_setitem=True):
+    """Decorator: make an async function delayed: ``@delayed``, ``@delayed(nout=2)`` (the
+    function returns 2 values, so the call can be unpacked), or ``delayed(fn, 2)``.
+    ``copy_on_setitem``: see Delayed."""
     if fn is None:
-        return functools.partial(delayed, nout=nout)
+        return functools.partial(delayed, nout=nout, copy_on_setitem=copy_on_setitem)
     if nout is not None:
         _check_count(nout, "delayed(nout=...)")
-    if isinstance(fn, DelayedFunction):
-        return DelayedFunction(fn.fn, fn.res, nout if nout is not None else fn.nout)
+    if isinstance(fn, DelayedFn):
+        return DelayedFn(fn.fn, fn.res, nout if nout is not None else fn.nout, copy_on_setitem)
     if not callable(fn) or not _is_async_callable(fn):
         raise TypeError(f"@delayed needs an async function, but {_callable_name(fn)} is "
                         "sync. For CPU-bound Python code use @subprocify under it:\n"
                         "    @delayed\n    @subprocify\n    def f(...): ...")
-    return DelayedFunction(fn, ZERO, nout)
+    return DelayedFn(fn, ZERO, nout, copy_on_setitem)
 
 
-def delayedval(value):
-    """Wrap a plain value as an (already resolved) Delayed."""
-    return Delayed(value)
+def delayedval(value, length=None, copy_on_setitem=True):
+    """Wrap a plain value as an (already resolved) Delayed; ``length`` as ``nout`` of
+    delayed. It can be awaited anywhere, also outside a mission."""
+    if length is not None:
+        _check_count(length, "delayedval(length=...)")
+    return Delayed(value, length, copy_on_setitem)
 
 
 def each(*items):
@@ -3505,26 +3933,100 @@ def each(*items):
     return Delayed._apply(_gather, tuple(items))
 
 
-def run(main, local=None, config_file=None, *, rpw=None, address=None, temporary_err=(),
-        max_retries=MAX_RETRIES, prioritized=False):
-    """Run a delayed mission: ``main`` (an async function, or a list run in parallel).
+def run(main, *executor_args, config_file=None, local=None, name=None, prioritized=False,
+        address=None, **executor_kwargs):
+    """Run a delayed mission: ``main`` (an async function, or an iterable of them, run in
+    parallel); returns its value (a list for several).
 
-    Without ``local``, jobs that request resources go to the head daemon for ``address``
-    (default: the config's, i.e. the Edge file), which is started in the background if
-    none runs; it keeps its workers for the next mission and shares them between missions
-    (``prioritized=True`` puts this one first). With ``local`` (alias ``rpw``), e.g.
-    ``Cores([0, 1])`` or ``ZERO``, this process is the head, with an in-process worker
-    holding ``local``, and workers may join it at ``address`` (False: do not listen).
-    ``config_file``: a path, None (look for one) or False (defaults only)."""
-    if rpw is not None:
-        if local is not None:
+    By default, jobs that request resources go to the head daemon for ``address`` (default:
+    the config's, i.e. the Edge file), started in the background if none runs; it keeps
+    its workers for the next mission and shares them between missions (``name`` shows in
+    its `ls`, ``prioritized=True`` puts this mission first). With ``local`` (upstream's
+    ``rpw``, also positional after ``waddrs``), e.g. ``Cores([0, 1])`` or ``ZERO``, this
+    process is the head, with an in-process worker holding ``local``, and workers may join
+    it at ``address`` (False: do not listen); so it is with ``config_file=False`` (the
+    defaults) or ``[head.gnaw] enabled = false``. Other keywords go to GrainExecutor
+    (``temporary_err``, ``max_retries``, upstream's ``nolocal``, ``reschedule``, ...)."""
+    if local is not None:
+        if "rpw" in executor_kwargs or len(executor_args) > 1:
             raise TypeError("run(): give local= or its alias rpw=, not both")
-        local = rpw
-    mains = _as_mains(main)
-    _default_logging()
-    return trio.run(_run_mission, mains, local, not isinstance(main, (list, tuple)),
-                    _mission_options(address, config_file, temporary_err, max_retries,
-                                     attach=local is None, prioritized=prioritized))
+        executor_kwargs["rpw"] = local
+    return _start_mission(main, executor_args, executor_kwargs, config_file, address,
+                          True, name, prioritized)
+
+
+@contextlib.asynccontextmanager
+async def QueueLimiter(conc):
+    """At most ``conc`` jobs of the delayed functions it wraps running at once (delayed
+    calls submit eagerly; this holds back the ones past the limit)::
+
+        async with QueueLimiter(10) as ql:
+            for i in range(30):
+                r_ += await ql(dfn)(i)   # waits for a free slot, not for the result
+
+    The block ends when every job started through it has ended."""
+    if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
+        raise ValueError(f"QueueLimiter(conc) needs a whole number >= 1, got {conc!r}")
+    slots = trio.Semaphore(conc)
+
+    async def hold_slot(dfn, args, kwargs, task_status=TASK_STATUS_IGNORED):
+        async with slots:
+            placeholder = dfn(*args, **kwargs)
+            task_status.started(placeholder)
+            await placeholder  # the slot is free again once its job has ended
+
+    async with trio.open_nursery() as nursery:
+        def limited(dfn):
+            async def submit(*args, **kwargs):
+                return await nursery.start(hold_slot, dfn, args, kwargs)
+            return submit
+        yield limited
+
+
+class _CappedNursery:
+    """A nursery whose ``start_once_acquired(fn, *args)`` waits while ``conc`` of the tasks
+    it started are running (see open_nursery_with_capacity)."""
+
+    def __init__(self, nursery, conc):
+        self._nursery = nursery
+        self._slots = trio.Semaphore(conc)
+
+    async def start_once_acquired(self, fn, *args):
+        async def run(task_status=TASK_STATUS_IGNORED):
+            async with self._slots:
+                task_status.started()
+                await fn(*args)
+        await self._nursery.start(run)
+
+    def __getattr__(self, name):
+        return getattr(self._nursery, name)
+
+
+@contextlib.asynccontextmanager
+async def open_nursery_with_capacity(conc):
+    """A trio nursery with ``start_once_acquired(fn, *args)``, which waits until fewer than
+    ``conc`` of the tasks it started run, then starts ``fn(*args)`` (upstream's
+    grain.util)."""
+    async with trio.open_nursery() as nursery:
+        yield _CappedNursery(nursery, _check_count(conc, "open_nursery_with_capacity(conc)"))
+
+
+def _oneline_array_repr(a, edgeitems=3):
+    """``array[(2, 3)](0, 1, 2...)``: the shape and the first items, on one line."""
+    flat = a.ravel()
+    items = ", ".join(str(x) for x in flat[:edgeitems])
+    return f"array[{a.shape}]({items}{'...' if flat.size > edgeitems else ''})"
+
+
+def set_numpy_oneline_repr():
+    """Make NumPy arrays show as one short line (shape and first items), keeping logs of
+    jobs with large array arguments readable."""
+    import numpy as np
+
+    if "override_repr" in inspect.signature(np.set_printoptions).parameters:  # NumPy >= 2
+        np.set_printoptions(override_repr=_oneline_array_repr)
+    else:  # pragma: no cover - NumPy 1
+        np.set_string_function(_oneline_array_repr, repr=True)
 
 
 ###############################################################################
@@ -3595,27 +4097,27 @@ def batch_cpu_ids(allowed):
 
 
 def worker_provider(req=None, oversubscribe=False):
-    """The resources a worker offers, from its ``--res`` request (None: the whole cpuset and
-    memory). Core ids come from this process's affinity set: the cores the batch system gave
-    the job, not 0..N-1. More cores than that set is an error, unless ``oversubscribe``
-    (then the ids past the real ones are virtual, as for the in-process worker)."""
+    """The resources a worker offers, from its ``--res`` request: without Cores, the whole
+    cpuset; without Memory, its memory limit. Core ids come from this process's affinity
+    set: the cores the batch system gave the job, not 0..N-1. More cores than that set is
+    an error, unless ``oversubscribe`` (then the ids past the real ones are virtual, as for
+    the in-process worker)."""
     allowed = _allowed_cores()
     granted = batch_cpu_ids(allowed)
     if granted:
         log.info("the batch system bound no cores; using the %d it allocated to this job "
                  "(%s)", len(granted), _fmt_ids(granted))
         allowed = granted
-    if req is None or req is ZERO:
-        return Cores._ids(allowed) & Memory(_memory_gb())
-    parts = dict(req._parts())
-    cores = parts.get("Cores")
+    parts = dict((req or ZERO)._parts())
+    parts.setdefault("Memory", Memory(_memory_gb()))
+    cores = parts.setdefault("Cores", Cores._ids(allowed))
     if cores is not None:
-        if cores.c is None and cores.N > len(allowed) and oversubscribe:
+        if cores._counted and cores.N > len(allowed) and oversubscribe:
             parts["Cores"] = Cores._ids(allowed + [max(allowed) + 1 + i for i in
                                                    range(cores.N - len(allowed))])
             log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
                      cores.N, len(allowed), _fmt_ids(allowed))
-        elif cores.c is None:
+        elif cores._counted:
             if cores.N > len(allowed):
                 raise UsageError(f"--res asks for {cores.N} cores but this process may use "
                                  f"only {len(allowed)} ({_fmt_ids(allowed)})")
@@ -3624,19 +4126,6 @@ def worker_provider(req=None, oversubscribe=False):
             raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
                              f"only {_fmt_ids(allowed)}")
     return ResourceSet._of(parts)
-
-
-def _load_context(path):
-    """The ``grain_context`` async context manager of a context module file."""
-    spec = importlib.util.spec_from_file_location("grain_context_module", path)
-    if spec is None:
-        raise GrainError(f"--context {path}: not a Python file")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    ctx = getattr(mod, "grain_context", None)
-    if ctx is None:
-        raise GrainError(f"--context {path}: defines no grain_context()")
-    return ctx
 
 
 async def _accept_first(listeners, key):
@@ -3798,8 +4287,9 @@ class WorkerProcess:
                     data = dumps_job_value((e, tb), "the exception")
                 except TypeError:
                     data = dumps_job_value((GrainError(f"{type(e).__name__}: {e}"), tb), "")
-                reply = (False, data)
-            self.channel.send(("done", jid, reply[0], reply[1], trio.current_time() - started))
+                reply = (False, data, failure_class(e))
+            self.channel.send(("done", jid, *reply[:2], trio.current_time() - started,
+                               *reply[2:]))
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
             self.cancelled.discard(jid)
@@ -3871,15 +4361,30 @@ def _fit_allocation(provider):
 
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
-                      key_path=None, max_frame=MAX_FRAME, oversubscribe=False):
-    """Run a worker until it leaves. Returns the exit code."""
+                      key_path=None, max_frame=MAX_FRAME, oversubscribe=False, sworker=None):
+    """Run a worker until it leaves. Returns the exit code. With ``sworker`` (a specialized
+    worker type), keep the module's grain_run_sworker() running while registered: the
+    head runs the jobs, with what it yielded."""
     key = load_auth_key(key_path)
-    context = _load_context(context_file) if context_file else None
+    context = load_context(context_file, "--context") if context_file else None
     # Its batch job, as the submit command named it: a custom system's template exports
     # GRAIN_JOB_ID, so the head knows which submission has joined.
     job_id = (os.environ.get("GRAIN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
               or os.environ.get("PBS_JOBID"))
     name = name or (f"{_hostname()}-{job_id}" if job_id else _hostname())
+    if sworker is None:
+        return await _worker_session(url, res, name, context, listen, key, max_frame,
+                                     oversubscribe, job_id, None)
+    module = load_module(sworker, "--sworker")
+    async with module.grain_run_sworker() as info:
+        info = dict(info)
+        name = info.pop("name", None) or name
+        return await _worker_session(url, res, name, context, listen, key, max_frame,
+                                     oversubscribe, job_id, {"type": sworker, "info": info})
+
+
+async def _worker_session(url, res, name, context, listen, key, max_frame, oversubscribe,
+                          job_id, sworker):
     provider = None
     if listen:
         listeners, urls = await open_listeners(listen)
@@ -3890,8 +4395,6 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     else:
         provider = _fit_allocation(worker_provider(res, oversubscribe))
         wt = _part(provider, "WTime")
-        if wt is not None:
-            wt._start()
         # A worker in a batch job waits for a head no longer than its walltime: one that
         # started after its mission ended must not sit on the allocation.
         with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
@@ -3914,11 +4417,9 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
             if not (isinstance(first, tuple) and first[:1] == ("assign",)):
                 raise GrainError(f"the head sent {first!r:.60} instead of an assignment")
             provider = _fit_allocation(worker_provider(first[1], oversubscribe))
-            wt = _part(provider, "WTime")
-            if wt is not None:
-                wt._start()
         channel.send(("register", {"name": name, "res": provider, "pid": os.getpid(),
-                                   "host": _hostname(), "job_id": job_id}))
+                                   "host": _hostname(), "job_id": job_id,
+                                   "sworker": sworker}))
         log.info("worker %s registered with %r", name, provider)
         if context is not None:
             async with context() as value:
@@ -4048,6 +4549,12 @@ def _want_str(v):
     return v
 
 
+def _want_bool(v):
+    if not isinstance(v, bool):
+        raise TypeError("true or false")
+    return v
+
+
 def _want_positive_int(v):
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise TypeError("a positive whole number")
@@ -4060,18 +4567,25 @@ def _want_count(v):
     return v
 
 
-def _want_positive_number(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise TypeError("a positive number (GB)")
+def _want_gb(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise TypeError("a number of GB >= 0 (0: do not ask)")
     return v
 
 
 def _want_walltime(v):
+    if v == "":
+        return v  # do not ask the batch system for a walltime
     try:
         parse_walltime(v)
     except ValueError:
-        raise TypeError("a walltime [d-]hh:mm:ss") from None
+        raise TypeError("a walltime [d-]hh:mm:ss (\"\": do not ask)") from None
     return v if isinstance(v, str) else format_walltime(v)
+
+
+def _want_queue(v):
+    # upstream's examples write queue = "''" for "the default queue"
+    return "" if _want_str(v) in ("''", '""') else v
 
 
 def _want_duration(v):
@@ -4110,9 +4624,9 @@ class ScriptSettings:
     """What a job script asks of the batch system, and how it sets up and cleans up."""
     shebang: str = "#!/bin/bash"
     queue: str = ""
-    walltime: str = "1:00:00"
-    cores: int = 1
-    memory: float = 1
+    walltime: str = ""   # "", 0: do not ask the batch system for it (its default applies)
+    cores: int = 0
+    memory: float = 0    # GB
     extra_args: tuple = ()
     setup_cleanup: str = ""
     python: str = ""  # "" = the interpreter running `up`
@@ -4139,37 +4653,49 @@ class RoleSettings:
     log_file: str = ""
     script: ScriptSettings = field(default_factory=ScriptSettings)
     custom_system: CustomSystem = field(default_factory=CustomSystem)
-    # [head]
-    main_log_file: str = ""
+    # [head]; log_file there is where the mission's local worker prints
+    main_log_file: str = ""       # the head job's log (`start`)
     listen: str = ""
     cmd: str = ""
     idle_quit: float = 1800.0
     swarm: int = 0
     swarm_quota: int = 0          # submissions per swarm_window; 0 = 2 x swarm
     swarm_window: float = 600.0
+    gnaw_enabled: bool = True     # [head.gnaw] enabled: missions share a head daemon
+    daemon_log: str = "grain-head-{{HHMMSS}}.log"   # [head.gnaw] log_file
+    max_missions: int = 8         # [head.gnaw] max_conn
+    daemon_extra_args: tuple = ()  # [head.gnaw] extra_args: flags of upstream's Go daemon
     # [worker]
     dial: str = ""
     cli_dial: str = ""
     res: dict = field(default_factory=dict)
+    specialized_type: str = ""    # a module: see the specialized workers in the README
 
 
 _COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
                 "contextmod": _want_str}
-_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_str, "walltime": _want_walltime,
-                "cores": _want_positive_int, "memory": _want_positive_number,
+_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
+                "cores": _want_count, "memory": _want_gb,
                 "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
 _CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str,
-                "status_cmd": _want_str, "cancel_cmd": _want_str}
+                "status_cmd": _want_str, "cancel_cmd": _want_str,
+                "directory": _want_str}  # upstream's name for directive
+# [head.gnaw], upstream's Go daemon, as our head daemon: key -> RoleSettings field
+_GNAW_KEYS = {"enabled": ("gnaw_enabled", _want_bool), "log_file": ("daemon_log", _want_str),
+              "max_conn": ("max_missions", _want_positive_int),
+              "idle_quit": ("idle_quit", _want_duration), "swarm": ("swarm", _want_count),
+              "extra_args": ("daemon_extra_args", _want_str_list)}
 _ROLE_KEYS = {
     "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
              "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
              "swarm": _want_count, "swarm_quota": _want_count,
              "swarm_window": _want_duration},
     "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
-               "cli_dial": _want_str, "res": _want_resources},
+               "cli_dial": _want_str, "res": _want_resources,
+               "specialized_type": _want_str},
 }
 _ROLE_DEFAULTS = {
-    "head": {"name": "grain-head", "log_file": "grain-head-{{HHMMSS}}.log"},
+    "head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
     "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
 }
 
@@ -4189,18 +4715,24 @@ class Config:
                 values[key] = sect[key]
             elif key in top:
                 values[key] = top[key]
+        values.update({_GNAW_KEYS[k][0]: v for k, v in sect.get("gnaw", {}).items()
+                       if v != ""})  # ([head.gnaw] log_file = "": our default file)
         values.update({k: v for k, v in sect.items() if k in _ROLE_KEYS[role]})
         script = {**top.get("script", {}), **sect.get("script", {})}
         values["script"] = ScriptSettings(**script)
-        values["custom_system"] = CustomSystem(**top.get("custom_system", {}))
+        custom = dict(top.get("custom_system", {}))
+        directory = custom.pop("directory", None)
+        values["custom_system"] = CustomSystem(**custom) if directory is None or \
+            "directive" in custom else CustomSystem(directive=directory, **custom)
         for key in ("address", "auth_key", "contextmod", "listen", "dial", "cli_dial",
-                    "log_file", "main_log_file"):
+                    "log_file", "main_log_file", "daemon_log"):
             if isinstance(values.get(key), str):  # "$HOME/..." and "~/..." mean what they say
                 values[key] = os.path.expanduser(os.path.expandvars(values[key]))
         s = RoleSettings(role=role, **values)
         address = s.address or default_address()
-        s = replace(s, address=address, listen=s.listen or address, dial=s.dial or address,
-                    cli_dial=s.cli_dial or address, auth_key=s.auth_key or default_key_path())
+        dial = s.dial or address
+        s = replace(s, address=address, listen=s.listen or address, dial=dial,
+                    cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path())
         if not s.script.python:
             s = replace(s, script=replace(s.script, python=sys.executable))
         return s
@@ -4244,11 +4776,16 @@ def parse_config(text, path="grain.toml"):
                                             "custom_system", path)
     for role in ("head", "worker"):
         if role in data:
+            subs = ("script", "gnaw") if role == "head" else ("script",)
             sect = _check_table(data[role], {**_COMMON_KEYS, **_ROLE_KEYS[role]}, role, path,
-                                sub=("script",))
+                                sub=subs)
             if "script" in data[role]:
                 sect["script"] = _check_table(data[role]["script"], _SCRIPT_KEYS,
                                               f"{role}.script", path)
+            if "gnaw" in data[role]:
+                sect["gnaw"] = _check_table(data[role]["gnaw"],
+                                            {k: check for k, (_, check) in _GNAW_KEYS.items()},
+                                            "head.gnaw", path)
             raw[role] = sect
     return Config(path=path, raw=raw)
 
@@ -4294,8 +4831,10 @@ SYSTEMS = {
         "directive": "#SBATCH",
         "lines": lambda s, name, log: [
             f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
-            f"--ntasks-per-node={s.cores}", f"--mem={max(1, int(s.memory * 1024))}M",
-            f"--time={format_walltime(parse_walltime(s.walltime))}", f"-o {log}"],
+            *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
+            *([f"--mem={max(1, int(s.memory * 1024))}M"] if s.memory else []),
+            *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
+            *([f"-o {log}"] if log else [])],
         "prologue": "",
         "submit": ["sbatch", "--parsable"],
         "cancel": ["scancel"],
@@ -4305,8 +4844,10 @@ SYSTEMS = {
         "directive": "#PBS",
         "lines": lambda s, name, log: [
             f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
-            f"-l nodes=1:ppn={s.cores},walltime={_pbs_walltime(parse_walltime(s.walltime))}",
-            f"-l vmem={max(1, int(s.memory * 1024))}mb", "-j oe", f"-o {log}"],
+            f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
+            *([f"-l walltime={_pbs_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
+            *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
+            "-j oe", *([f"-o {log}"] if log else [])],
         "prologue": "cd \"$PBS_O_WORKDIR\"",
         "submit": ["qsub"],
         "cancel": ["qdel"],
@@ -4317,8 +4858,11 @@ SYSTEMS = {
 }
 
 
-def _stamp(text, when):
-    return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when)))
+def _stamp(text, when, seq=0):
+    """``text`` with ``{{HHMMSS}}`` as the time ``when``; the ``seq``-th submission of the same
+    second (``up -n 100``) gets a suffix, so that names and logs stay distinct."""
+    return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when))
+                        + (f"-{seq}" if seq else ""))
 
 
 def _setup_and_cleanup(text):
@@ -4335,57 +4879,112 @@ def _setup_and_cleanup(text):
     return setup, cleanup
 
 
+def worker_resources(s):
+    """The dict form of what a worker of settings ``s`` offers: cores, memory x 14/15 and
+    walltime minus LEAVE_BEFORE_S as a countdown, each only if the script asks for it
+    (else the worker offers what it finds), merged with ``worker.res``."""
+    res = {}
+    if s.script.cores:
+        res["Cores"] = {"N": s.script.cores}
+    if s.script.memory:
+        res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
+    if s.script.walltime:
+        left = max(60, parse_walltime(s.script.walltime) - LEAVE_BEFORE_S)
+        res["WTime"] = {"T": format_walltime(left), "countdown": True}
+    if "Node" in s.res:  # upstream's form: Cores and Memory in one
+        res.pop("Cores", None)
+        res.pop("Memory", None)
+    res.update(s.res)
+    return res
+
+
+def specialized_module(s):
+    """The module of ``worker.specialized_type`` and whether it is backendless, or
+    (None, False) when the config names none."""
+    if not s.specialized_type:
+        return None, False
+    module = load_module(s.specialized_type, "worker.specialized_type")
+    config = getattr(module, "GRAIN_SWORKER_CONFIG", None)
+    if not isinstance(config, dict):
+        raise ConfigError(f"worker.specialized_type {s.specialized_type}: the module has no "
+                          "GRAIN_SWORKER_CONFIG dict")
+    return module, bool(config.get("BACKENDLESS"))
+
+
+def backendless_workers(s):
+    """``[(module, resources)]`` for a backendless specialized worker type (it runs in the
+    mission: there is no worker process to start), else []."""
+    module, backendless = specialized_module(s)
+    return [(module, Resource.from_dict(worker_resources(s)))] if backendless else []
+
+
 def worker_command(s, grain_path=None):
     """The worker line of a worker job script: the same grain.py under ``script.python``,
-    with cores, memory x 14/15 and walltime minus LEAVE_BEFORE_S as a countdown, merged with
-    ``worker.res``."""
-    walltime = parse_walltime(s.script.walltime)
-    res = {"Cores": {"N": s.script.cores}, "Memory": {"M": round(s.script.memory * 14 / 15, 3)},
-           "WTime": {"T": format_walltime(max(60, walltime - LEAVE_BEFORE_S)),
-                     "countdown": True}}
-    res.update(s.res)
+    offering worker_resources(s)."""
     argv = boot_argv(s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
-                     "--res", json.dumps(res, separators=(",", ":")))
+                     "--res", json.dumps(worker_resources(s), separators=(",", ":")))
     if s.contextmod:
         argv += ["--context", os.path.abspath(s.contextmod)]
+    if s.specialized_type:
+        argv += ["--sworker", s.specialized_type]
     if s.auth_key:
         argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def render_script(s, main, when=None):
-    """The job script for role settings ``s`` running the shell command ``main``."""
+def _template_fields(s, name, log_file, setup, cleanup, directive):
+    """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...)."""
+    script = types.SimpleNamespace(
+        **{f: getattr(s.script, f) for f in ScriptSettings.__dataclass_fields__},
+        extra_args_str="\n".join(f"{directive} {a}" for a in s.script.extra_args),
+        setup="\n".join(setup), cleanup="\n".join(cleanup),
+        res_str=json.dumps(worker_resources(s)))
+    fields = {f: getattr(s, f) for f in RoleSettings.__dataclass_fields__}
+    return types.SimpleNamespace(**dict(fields, name=name, log_file=log_file, script=script))
+
+
+def render_script(s, main, when=None, seq=0):
+    """The job script for role settings ``s`` running the shell command ``main``: a
+    SYSTEMS one, or ``custom_system.template`` when there is one (with ``system`` "custom",
+    or, as upstream, any other system it then stands in for)."""
     when = time.time() if when is None else when
-    name = _stamp(s.name, when)
-    log_file = os.path.abspath(_stamp(s.log_file, when)) if s.log_file else ""
-    setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when))
+    name = _stamp(s.name, when, seq)
+    log_file = os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else ""
+    setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
     body = []
     if cleanup:
         # Deferred lines run in reverse order when the script exits, even when the worker
         # failed or the batch system sent SIGTERM (turned into a normal exit by the trap).
         body += ["grain_cleanup() {", *[f"  {c}" for c in cleanup], "}",
                  "trap grain_cleanup EXIT", "trap 'exit 143' TERM INT"]
-    body += setup + [main]
-    if s.system == "custom":
-        c = s.custom_system
+    body = "\n".join(body + setup + [main])
+    c = s.custom_system
+    if s.system == "custom" or c.template:
         if not c.template:
             raise ConfigError("system = \"custom\" needs custom_system.template")
+        template = _stamp(c.template, when, seq)
+        # upstream's {{MAIN}}: our body, its braces escaped for the format below
+        template = template.replace("{{MAIN}}", body.replace("{", "{{").replace("}", "}}"))
         directives = [f"{c.directive} {a}" for a in s.script.extra_args]
-        return _stamp(c.template, when).format(
-            name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
-            walltime=s.script.walltime, log_file=log_file, directives="\n".join(directives),
-            main="\n".join(body))
+        try:
+            return template.format(
+                name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
+                walltime=s.script.walltime, log_file=log_file,
+                directives="\n".join(directives), main=body,
+                c=_template_fields(s, name, log_file, setup, cleanup, c.directive))
+        except (KeyError, AttributeError, IndexError, ValueError) as e:
+            raise ConfigError(f"custom_system.template: cannot fill it in: "
+                              f"{type(e).__name__}: {e}") from None
     spec = SYSTEMS.get(s.system)
-    if spec is None:
-        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
-                          "\"custom\" in grain.toml")
+    if spec is None:  # no batch system: the script alone, to read (`up --dry`)
+        return f"{s.script.shebang}\n{body}\n"
     d = spec["directive"]
     lines = [s.script.shebang]
     lines += [f"{d} {x}" for x in spec["lines"](s.script, name, log_file)]
     lines += [f"{d} {x}" for x in s.script.extra_args]
     if spec["prologue"]:
         lines.append(spec["prologue"])
-    return "\n".join(lines + body) + "\n"
+    return "\n".join(lines + [body]) + "\n"
 
 
 class JobBook:
@@ -4456,61 +5055,83 @@ def _run_command(argv, what, hint, stdin=None):
     return cp.stdout
 
 
-def submit(s, script, extra_args=(), role="worker", when=None):
+def _submit_argv(s):
+    """The command that submits a job script for settings ``s``."""
+    c = s.custom_system
+    if c.submit_cmd and (s.system == "custom" or c.template):
+        return shlex.split(c.submit_cmd)
+    if s.system == "custom":
+        raise ConfigError("system = \"custom\" needs custom_system.submit_cmd")
+    if s.system not in SYSTEMS:
+        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
+                          "\"custom\" in grain.toml")
+    return list(SYSTEMS[s.system]["submit"])
+
+
+def submit(s, script, extra_args=(), role="worker", when=None, seq=0):
     """Submit ``script`` to the batch system of role settings ``s``; returns the job id and
     records it."""
     when = time.time() if when is None else when
+    argv = _submit_argv(s)
     scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
     os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
     path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
                                      f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
-    if s.system == "custom":
-        if not s.custom_system.submit_cmd:
-            raise ConfigError("system = \"custom\" needs custom_system.submit_cmd")
-        argv = shlex.split(s.custom_system.submit_cmd)
-    elif s.system in SYSTEMS:
-        argv = list(SYSTEMS[s.system]["submit"])
-    else:
-        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
-                          "\"custom\" in grain.toml")
     out = _run_command(argv + list(extra_args) + [path], "submission",
                        SYSTEMS[s.system]["hint"])
     job_id = (out.strip().split() or ["?"])[-1].split(";")[0]
     JobBook(s.dial if role == "worker" else s.listen).add({
-        "id": job_id, "system": s.system, "role": role, "name": _stamp(s.name, when),
-        "log": os.path.abspath(_stamp(s.log_file, when)) if s.log_file else "",
+        "id": job_id, "system": s.system, "role": role, "name": _stamp(s.name, when, seq),
+        "log": os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else "",
         "script": path, "submitted": when})
     return job_id
 
 
+ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch_states for a job that ended / that nobody knows
+
+
+def _slurm_states(ids):
+    cp = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
+                        capture_output=True, text=True, timeout=30)
+    if cp.returncode != 0:  # squeue refuses a lone id it does not know; else it failed
+        return dict.fromkeys(ids, ENDED if "Invalid job id" in cp.stderr else UNKNOWN)
+    listed = dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
+    return {i: listed.get(i, ENDED) for i in ids}
+
+
+def _pbs_state(job_id):
+    cp = subprocess.run(["qstat", "-f", job_id], capture_output=True, text=True, timeout=30)
+    if cp.returncode == 153 or "Unknown Job" in cp.stderr:  # PBS's "no such job"
+        return ENDED
+    m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
+    if cp.returncode != 0 or not m:
+        return UNKNOWN
+    state = m.group(1)
+    return ENDED if state in ("C", "F") else {"Q": "PENDING", "R": "RUNNING",
+                                              "H": "HELD"}.get(state, state)
+
+
 def batch_states(system, ids, custom=None):
-    """``{job id: state}`` for the jobs the batch system still knows (others have ended).
-    A custom system is asked through ``custom.status_cmd``, if it has one."""
+    """``{job id: state}`` for each of ``ids``: what the batch system says, ENDED for a job
+    it does not know (any more), UNKNOWN when it could not be asked (a busy or restarting
+    controller is common): a failed query never means that a job ended. A custom system
+    is asked through ``custom.status_cmd`` (exit 0: alive), if it has one."""
     if not ids:
         return {}
     try:
         if system == "custom" and custom is not None and custom.status_cmd:
             cmd = shlex.split(custom.status_cmd)
-            return {i: "ALIVE" for i in ids
-                    if subprocess.run(cmd + [i], capture_output=True, timeout=30).returncode == 0}
+            return {i: "ALIVE" if subprocess.run(cmd + [i], capture_output=True,
+                                                 timeout=30).returncode == 0 else ENDED
+                    for i in ids}
         if system == "slurm":
-            cp = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
-                                capture_output=True, text=True, timeout=30)
-            return dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
+            return _slurm_states(ids)
         if system == "pbs":
-            out = {}
-            for i in ids:
-                cp = subprocess.run(["qstat", "-f", i], capture_output=True, text=True,
-                                    timeout=30)
-                m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
-                if cp.returncode == 0 and m and m.group(1) not in ("C", "F"):
-                    out[i] = {"Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(m.group(1),
-                                                                                m.group(1))
-            return out
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {i: "UNKNOWN" for i in ids}
+            return {i: _pbs_state(i) for i in ids}
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not ask the batch system about job(s) %s: %s", ", ".join(ids), e)
+    return dict.fromkeys(ids, UNKNOWN)
 
 
 def _log_tail(path, n=10):
@@ -4642,8 +5263,9 @@ class HeadDaemon(GrainExecutor):
     opaque = True
 
     def __init__(self, listen, key, *, idle_quit=1800.0, mission_socket=None, job_book=None,
-                 swarm=None, log_file=""):
-        super().__init__(None, name="head", listen=listen, key=key, job_book=job_book)
+                 swarm=None, log_file="", max_missions=8):
+        super().__init__(name="head", listen=listen, key=key, job_book=job_book)
+        self.max_missions = max_missions
         self._queues = []          # one per attached mission
         self.missions = []
         self.mission_socket = mission_socket
@@ -4683,6 +5305,11 @@ class HeadDaemon(GrainExecutor):
     async def _serve_mission(self, channel, info):
         if not isinstance(info, dict):
             raise PeerError(f"a mission greeting must be a dict, got {info!r:.60}")
+        if len(self.missions) >= self.max_missions:
+            await super()._serve_mission(channel, info, f"the head daemon (pid {os.getpid()} "
+                                         f"on {_hostname()}) serves {len(self.missions)} "
+                                         "missions already, its limit ([head.gnaw] max_conn)")
+            return
         m = MissionQueue(channel, info)
         self.missions.append(m)
         self._queues.append(m)
@@ -4756,20 +5383,20 @@ class HeadDaemon(GrainExecutor):
 
     def _complete(self, job, value, error, kind=None):
         m = job.queue
-        if error is None:
-            ok, data = value
-        else:
+        if error is None:  # what a worker reported, unopened
+            ok, data, kind = value
+        else:  # what the daemon decided (the worker was lost, or retired, too often)
             self._note_attempts(job, error, kind)
             ok, data = False, dumps_job_value((error, ""), "")
         job.state = "done" if ok else "failed"
-        self.counts[job.state] += 1
+        self._count(job.state, kind)
         if m.gone:
             return
         if ok:
             m.done += 1
         else:
             m.failed += 1
-        m.channel.send(("done", job.ref, ok, data, job.duration or 0.0))
+        m.channel.send(("done", job.ref, ok, data, job.duration or 0.0, kind))
 
     def _warn_all(self, message):
         super()._warn_all(message)
@@ -4803,7 +5430,7 @@ class HeadDaemon(GrainExecutor):
                     batch_states, sw.settings.system, list(sw.pending),
                     sw.settings.custom_system)
                 for job_id in list(sw.pending):
-                    if job_id not in states:
+                    if states[job_id] == ENDED:
                         log.warning("worker job %s ended without joining", job_id)
                         del sw.pending[job_id]
             joined = self._joined()
@@ -4830,7 +5457,7 @@ class HeadDaemon(GrainExecutor):
                      job_id, joined, len(sw.pending), sw.target)
 
     def _joined(self):
-        return sum(1 for w in self.workers if isinstance(w, RemoteWorker))
+        return sum(1 for w in self.workers if w.channel is not None)
 
     def _submit_worker_job(self):
         s = self.swarm.settings
@@ -4890,7 +5517,11 @@ async def head_main(s, worker, key, idle_quit=None):
         s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
         mission_socket=mission_socket_path(s.listen),
         job_book=(worker.system, JobBook(worker.dial), worker.custom_system)
-        if worker.system else None, swarm=swarm, log_file=os.environ.get("GRAIN_HEAD_LOG", ""))
+        if worker.system else None, swarm=swarm, log_file=os.environ.get("GRAIN_HEAD_LOG", ""),
+        max_missions=s.max_missions)
+    if s.daemon_extra_args:
+        log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
+                    "of upstream's Go daemon", " ".join(s.daemon_extra_args))
     async with daemon:
         log.info("head daemon pid %d at %s; missions on this host attach at unix://%s",
                  os.getpid(), s.listen, daemon.mission_socket)
@@ -5218,8 +5849,9 @@ def build_parser():
                        "edge:///path (default: the Edge file in ~/.local/share)")
     where.add_argument("--listen", metavar="URL",
                        help="be a passive worker: wait at tcp://:PORT for a head to dial")
-    p.add_argument("--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": {"N": '
-                   '16}, "Memory": {"M": 32}}\' (default: this cpuset and memory)')
+    p.add_argument("-r", "--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
+                   '{"N": 16}, "Memory": {"M": 32}}\' or \'{"Node": {"N": 16, "M": 32}}\' '
+                   '(default: this cpuset and memory)')
     p.add_argument("--max-frame", type=int, default=MAX_FRAME, metavar="BYTES",
                    help="the largest message the head may send (default 1 GiB)")
     p.add_argument("--oversubscribe", action="store_true",
@@ -5228,6 +5860,9 @@ def build_parser():
     p.add_argument("--context", metavar="FILE",
                    help="a Python file whose grain_context() wraps the worker's life")
     p.add_argument("--name", help="the worker's name (default: the hostname)")
+    p.add_argument("--sworker", metavar="MODULE", help="be a specialized worker of this type "
+                   "(worker.specialized_type): its jobs run in the mission, this process keeps "
+                   "the module's grain_run_sworker() running")
     common(p)
 
     def config(p):
@@ -5272,8 +5907,6 @@ def build_parser():
     config(p)
     p.add_argument("-n", type=int, default=1, metavar="N", help="how many (default 1)")
     p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
-    p.add_argument("extra", nargs=argparse.REMAINDER,
-                   help="after --: arguments for sbatch/qsub")
 
     p = sub.add_parser("down", help="cancel every worker or head job grain submitted")
     config(p)
@@ -5288,8 +5921,6 @@ def build_parser():
     config(p)
     p.add_argument("--local", action="store_true", help="run head.cmd here instead")
     p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
-    p.add_argument("extra", nargs=argparse.REMAINDER,
-                   help="after --: arguments for sbatch/qsub")
     return parser
 
 
@@ -5315,7 +5946,7 @@ def _cmd_worker(args):
     return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,
-                                      max_frame=args.max_frame))
+                                      max_frame=args.max_frame, sworker=args.sworker or None))
 
 
 def _cli_target(args):
@@ -5333,8 +5964,11 @@ def format_jobs(book, s, joined):
                           s.custom_system)
     lines = ["", "submitted, not joined:"]
     for r in records:
-        state = states.get(r["id"])
-        if state:
+        state = states[r["id"]]
+        if state == UNKNOWN:
+            lines.append(f"  job {r['id']} ({r['name']}): state unknown (the batch system did "
+                         "not answer)")
+        elif state != ENDED:
             lines.append(f"  job {r['id']} ({r['name']}): {state}")
         else:
             lines.append(f"  job {r['id']} ({r['name']}): ENDED WITHOUT ITS WORKER EVER "
@@ -5393,25 +6027,27 @@ def _cmd_ls(args):
 
 
 def _extra(args):
-    extra = list(args.extra)
-    return extra[1:] if extra[:1] == ["--"] else extra
+    return [a for a in args.extra if a != "--"]
 
 
 def _cmd_up(args):
     s = load_config(args.config).role("worker")
     if args.n < 1:
         raise UsageError(f"-n must be at least 1, got {args.n}")
-    for i in range(args.n):
-        if i:
-            time.sleep(1)  # a second apart: {{HHMMSS}} names stay distinct
-        when = time.time()
-        script = render_script(s, worker_command(s), when)
+    module, backendless = specialized_module(s)
+    if backendless:
+        print(f"specialized worker type {s.specialized_type} is backendless: it runs in the "
+              "mission, there is no worker job to submit", file=sys.stderr)
+        return 0
+    when = time.time()
+    for seq in range(args.n):  # one {{HHMMSS}} for all, numbered: names stay distinct
+        script = render_script(s, worker_command(s), when, seq)
         if args.dry:
             print(script, end="")
             return 0
-        job_id = submit(s, script, _extra(args), "worker", when)
-        print(f"submitted worker job {job_id} ({_stamp(s.name, when)}); log: "
-              f"{os.path.abspath(_stamp(s.log_file, when))}")
+        job_id = submit(s, script, _extra(args), "worker", when, seq)
+        print(f"submitted worker job {job_id} ({_stamp(s.name, when, seq)}); log: "
+              f"{os.path.abspath(_stamp(s.log_file, when, seq))}")
     return 0
 
 
@@ -5423,7 +6059,8 @@ def _cmd_start(args):
     if args.local:
         return subprocess.call(s.cmd, shell=True)
     when = time.time()
-    script = render_script(s, s.cmd, when)
+    s = replace(s, log_file=s.main_log_file)  # the head job's own log (head.log_file is
+    script = render_script(s, s.cmd, when)    # where its local worker's jobs print)
     if args.dry:
         print(script, end="")
         return 0
@@ -5442,9 +6079,10 @@ def _cmd_down(args):
         by_system = {}
         for r in book.records():
             by_system.setdefault(r.get("system"), []).append(r)
-        live = set()
+        live = set()  # and those whose state is unknown: cancelling them is safe
         for system, records in by_system.items():
-            live |= set(batch_states(system, [r["id"] for r in records], custom))
+            states = batch_states(system, [r["id"] for r in records], custom)
+            live |= {i for i, state in states.items() if state != ENDED}
 
         def cancel_live(records):
             nonlocal cancelled
@@ -5499,7 +6137,11 @@ def main(argv=None):
     if argv[:1] == ["_subproc"]:  # internal: a subprocess-pool process (not in --help)
         return _subproc_child_main(int(argv[1]))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command in ("up", "start"):  # `up -n 2 --qos=debug`: the rest goes to sbatch/qsub
+        args.extra = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -5510,9 +6152,7 @@ def main(argv=None):
         try:
             return _COMMANDS[args.command](args)
         except BaseExceptionGroup as group:  # one error out of nested nurseries: show it
-            leaf = group
-            while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-                leaf = leaf.exceptions[0]
+            leaf = lone_exception(group)
             if leaf is group:
                 raise
             raise leaf from None
@@ -5525,8 +6165,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a bug or an unforeseen failure: one line, the rest with -v
-        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
-            e = e.exceptions[0]
+        e = lone_exception(e)
         if args.verbose:
             traceback.print_exc()
         print(f"grain.py {args.command}: {type(e).__name__}: {e} (run with -v for the "
@@ -5541,14 +6180,41 @@ def main(argv=None):
 # virtual submodule forwards the names it lists to this module (one source of truth)
 # and is put straight into sys.modules; see DESIGN.md section 3 for why not a finder.
 
+# grain.local_sworker: upstream's backendless specialized worker, for trying the mode out
+# (worker.specialized_type = "grain.local_sworker"): its jobs run in the mission.
+LOCAL_SWORKER_CONFIG = {"BACKENDLESS": True}
+
+
+@contextlib.asynccontextmanager
+async def _local_sworker_run():
+    yield {"name": "local"}
+
+
+@contextlib.asynccontextmanager
+async def _local_sworker_context():
+    yield None
+
+
+def _names(spaced, **renamed):
+    """``{name in the submodule: name here}``."""
+    return dict({n: n for n in spaced.split()}, **renamed)
+
+
 _SUBMODULES = {
-    "delayed": ["delayed", "Delayed", "DelayedFunction", "delayedval", "each", "run"],
-    "resource": ["Resource", "ResourceSet", "Cores", "Memory", "Node", "WTime", "Token",
-                 "Capacity", "ONE_INSTANCE", "ZERO", "RESOURCE_TYPES", "register_resource"],
-    "subproc": ["subprocify", "subprocess_pool_scope", "BrokenSubprocessError",
-                "SubprocessPool"],
-    "combine": ["open_waitgroup", "exec1", "run_combine", "WaitGroup"],
-    "executor": ["GrainExecutor", "Job"],
+    "delayed": _names("delayed Delayed DelayedFn DelayedFunction delayedval each run"),
+    "resource": _names("Resource ResourceSet Cores Memory Node WTime Token Capacity "
+                       "ONE_INSTANCE ZERO Reject REJECT RESOURCE_TYPES TIMESTAT_NSAMPLE "
+                       "register_resource"),
+    "subproc": _names("subprocify subprocess_pool_scope BrokenSubprocessError SubprocessPool"),
+    "combine": _names("open_waitgroup exec1 run_combine load_cache_or_exec1 WaitGroup",
+                      run="run_combine"),
+    "executor": _names("GrainExecutor Job"),
+    "head": _names("GrainExecutor"),
+    "contextvar": _names("GVAR"),
+    "util": _names("QueueLimiter open_nursery_with_capacity set_numpy_oneline_repr"),
+    "local_sworker": {"GRAIN_SWORKER_CONFIG": "LOCAL_SWORKER_CONFIG",
+                      "grain_run_sworker": "_local_sworker_run",
+                      "grain_context": "_local_sworker_context"},
 }
 
 
@@ -5560,9 +6226,9 @@ def _register_submodules():
         mod.__all__ = list(names)
         mod.__spec__ = importlib.machinery.ModuleSpec(full, None)
 
-        def forward(name, _names=frozenset(names), _full=full):
+        def forward(name, _names=names, _full=full):
             if name in _names:
-                return getattr(me, name)
+                return getattr(me, _names[name])
             raise AttributeError(f"module {_full!r} has no attribute {name!r}")
 
         mod.__getattr__ = forward

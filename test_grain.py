@@ -180,18 +180,21 @@ def test_script_and_import_share_one_module_identity():
 def test_cores_request_alloc_dealloc_and_repr():
     pool = Cores([0, 1, 2, 5])
     assert repr(pool) == "CPU_Cores([0-2,5])" and pool.N == 4
-    assert repr(Cores(3)) == "CPU_Cores(3)" and Cores(3).c is None
+    # Cores(N) is cores 0..N-1, as upstream: a request for N cores, or a provider of them.
+    assert repr(Cores(3)) == "CPU_Cores([0-2])" and Cores(3).c == [0, 1, 2]
+    assert Cores(16).alloc(Cores(3)).c == [0, 1, 2]
     assert pool.request(Cores(4)) and not pool.request(Cores(5))
     got = pool.alloc(Cores(3))
     assert got.c == [0, 1, 2] and got.N == 3 and repr(got) == "CPU_Cores([0-2])"
     assert pool.c == [5] and not pool.request(Cores(2))
-    with pytest.raises(ValueError, match="cannot satisfy"):
+    with pytest.raises(ValueError, match=r"CPU_Cores\(\[5\]\) cannot allocate 2 core\(s\)"):
         pool.alloc(Cores(2))
+    # .c is a list that answers set operations too (upstream's was a set).
+    assert got.c & pool.c == set() and got.c | pool.c == {0, 1, 2, 5} and got.c == {0, 1, 2}
     pool.dealloc(got)
     assert pool.c == [0, 1, 2, 5]
-    # A specific request takes exactly those ids; an allocation can be a request again.
-    assert pool.alloc(Cores([2, 5])).c == [2, 5] and pool.c == [0, 1]
-    assert pool.request(Cores([0])) and not pool.request(Cores([5]))
+    # An allocation can be a request again: a request counts cores, it does not name them.
+    assert pool.alloc(Cores([2, 5])).c == [0, 1] and pool.c == [2, 5]
     assert pool.stat() == {"Cores": (2, 4)}
 
 
@@ -203,25 +206,33 @@ def test_bad_core_counts_are_refused(bad):
 
 def test_memory_capacity_token_node():
     m = Memory(8)
-    assert repr(m) == "Memory(8GB)" and m.M == 8
+    assert repr(m) == "Memory(8GB)" and m.m == m.M == 8
     a = m.alloc(Memory(2.5))
-    assert a.M == 2.5 and m.M == 5.5 and not m.request(Memory(6))
+    # .m is the amount now (free here, held by the allocation), .M the total: as upstream.
+    assert a.m == a.M == 2.5 and m.m == 5.5 and m.M == 8 and not m.request(Memory(6))
+    with pytest.raises(ValueError, match=r"Memory\(5.5GB\) cannot allocate Memory\(6GB\)"):
+        m.alloc(Memory(6))
     m.dealloc(a)
-    assert m.M == 8
+    assert m.m == 8 and m.stat() == {"Memory": (8, 8)}
     with pytest.raises(ValueError, match="Memory"):
         Memory(-1)
     n = Node(N=16, M=10)
-    assert n.N == 16 and n.M == 10 and repr(n) == "CPU_Cores(16) & Memory(10GB)"
+    assert n.N == 16 and n.M == 10 and n.m == 10 and repr(n) == "CPU_Cores([0-15]) & Memory(10GB)"
     gpu = Token("gpu")
     assert gpu.request(Token("gpu")) and not gpu.request(Token("fpga"))
     assert (Cores([0]) & gpu).request(Cores(1))               # token workers run plain jobs
     assert not Cores([0]).request(Cores(1) & Token("gpu"))    # token jobs need the token
+    seats = Capacity(3)
+    assert seats.alloc(Capacity(2)).v == 2 and seats.v == 1 and seats.V == 3
     one = Capacity(1)
+    assert repr(grain.ONE_INSTANCE) == "ONE" and grain.ONE_INSTANCE.v == -1
     assert one.request(grain.ONE_INSTANCE)
     held = one.alloc(grain.ONE_INSTANCE)
-    assert not one.request(grain.ONE_INSTANCE)
+    assert held.v == -1 and one.v == 0 and not one.request(grain.ONE_INSTANCE)
+    with pytest.raises(ValueError, match="has no capacity"):
+        one.alloc(grain.ONE_INSTANCE)
     one.dealloc(held)
-    assert one.request(grain.ONE_INSTANCE)
+    assert one.request(grain.ONE_INSTANCE) and one.v == one.V == 1
 
 
 def test_combining_and_zero():
@@ -235,11 +246,26 @@ def test_combining_and_zero():
         Node(1, 2) & Cores(3)
     assert repr(ZERO) == "Ø" and (Cores(1) & ZERO) == Cores(1)
     assert Cores([0, 1]).request(ZERO) and ZERO.request(ZERO) and not ZERO.request(Cores(1))
+    assert repr(Cores([0, 1]).alloc(ZERO)) == "Ø"
+    with pytest.raises(ValueError, match="Cannot alloc: resource Ø does not have the same shape"):
+        ZERO.alloc(Cores(1))
+    # A request naming a kind the provider lacks is refused, as upstream.
+    assert not Cores([0, 1, 2]).request(Node(2, 1))
+    with pytest.raises(ValueError, match="does not have the same shape"):
+        Cores([0, 1, 2]).alloc(Cores(1) & WTime(T=5))
     # Comparisons: a <= b when request a fits in provider b.
     assert Cores(2) <= Cores([0, 1, 2]) and not Cores(4) <= Cores([0, 1, 2])
-    assert Cores([0, 1, 2]) >= Node(2, 1) is False or True  # operators return bools
+    assert ((Cores([0, 1, 2]) & Memory(1)) >= Node(2, 1)) is True
+    assert (Cores([0, 1, 2]) >= Node(2, 1)) is False
     assert Cores(2) < (Cores([0, 1]) & Memory(3)) and not Cores(2) < Cores(2)
-    assert Cores(3) == Cores(3) and Cores(3) != Cores([0, 1, 2]) and Memory(2) != Cores(2)
+    assert Cores(3) == Cores([0, 1, 2]) and Cores(3) != Cores([1, 2, 3]) and Memory(2) != Cores(2)
+    # Reject grants nothing and keeps what is given back.
+    r = grain.Reject(Memory(8))
+    r.dealloc(Memory(4))
+    assert repr(r) == "N/A" and not r.request(Memory(1)) and r.eject() == Memory(12)
+    assert not grain.REJECT.request(ZERO)
+    with pytest.raises(ValueError, match="No resource is or will be available"):
+        r.alloc(Memory(1))
 
 
 def test_walltime_parsing():
@@ -258,17 +284,40 @@ def test_walltime_parsing():
 
 @trio_test
 async def test_wtime_countdown_and_softT(autojump_clock):
-    worker = WTime(T=100, countdown=True)
-    worker._start()
+    worker = WTime(T=100, countdown=True)  # counts down from its construction
+    assert repr(worker) == "Walltime(00:01:40)" and repr(WTime(T="1:56:40")) == "Walltime(01:56:40)"
     assert worker.request(WTime(T=200, softT=90))
     await trio.sleep(20)
-    assert worker.remaining() == pytest.approx(80)
+    assert worker.remaining() == pytest.approx(80) and repr(worker) == "Walltime(00:01:20)"
     assert not worker.request(WTime(T=200, softT=90)) and worker.request(WTime(T=70))
     assert worker.request(WTime(group="g"))  # no estimate yet: fits anywhere
-    # A provider without any WTime has unlimited time and still takes timed jobs.
-    assert Cores([0]).request(Cores(1) & WTime(T=10 ** 9))
-    alloc = Cores([0]).alloc(Cores(1) & WTime(T=10))
-    assert alloc.T == 10 and alloc.c == [0]
+    assert worker.alloc(WTime(T=3)).T == 3
+
+
+@trio_test
+async def test_wtime_group_estimates_through_the_resource_api(autojump_clock):
+    worker = WTime(T=7000, countdown=True)
+    runs = [worker.alloc(WTime(group="g")) for _ in range(grain.TIMESTAT_NSAMPLE)]
+    assert all(r.T is None for r in runs) and repr(runs[0]) == "Walltime(group=g)"
+    await trio.sleep(12)
+    for r in runs:
+        worker.dealloc(r)
+    estimated = worker.alloc(WTime(group="g"))
+    assert estimated.T == estimated.softT == 12.0 and estimated.group == "g"
+    # Runs of 10 s or less teach nothing.
+    short = [worker.alloc(WTime(group="s")) for _ in range(grain.TIMESTAT_NSAMPLE)]
+    await trio.sleep(5)
+    for r in short:
+        worker.dealloc(r)
+    assert worker.alloc(WTime(group="s")).T is None
+
+
+def test_wtime_outside_trio_counts_wall_time(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    w = WTime(T=30, countdown=True)
+    now[0] += 2
+    assert w.remaining() == 28 and not w.request(WTime(T=29)) and w.request(WTime(T=28))
 
 
 def test_dict_form_round_trip_and_errors():
@@ -526,7 +575,7 @@ async def test_stuck_queue_warns_with_the_request_and_largest_worker(autojump_cl
             await trio.sleep(STUCK := grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
             warnings = [r.getMessage() for r in caplog.records]
             assert len(warnings) == 1
-            assert "requesting CPU_Cores(16) & Memory(10GB) has fitted no worker for" in \
+            assert "requesting CPU_Cores([0-15]) & Memory(10GB) has fitted no worker for" in \
                 warnings[0]
             assert re.search(r"largest worker is local with CPU_Cores\(\[\d+-\d+\]\) & "
                              r"Memory\(4GB\)", warnings[0])
@@ -554,7 +603,7 @@ async def test_wtime_group_estimates_are_learned_and_shared(autojump_clock):
         first = [exer.submit(Cores(1) & WTime(group="g"), job, d) for d in durations]
         for j in first:
             assert await j is None         # no limit before the estimate exists
-        T, softT = exer._group_times.limits["g"]
+        T, softT = exer.group_times.limits["g"]
         import statistics
         mean, sd = statistics.mean(durations), statistics.stdev(durations)
         assert T == pytest.approx(mean + 5 * sd) and softT == pytest.approx(mean + 2 * sd)
@@ -805,11 +854,21 @@ async def test_delayed_misuse_gives_type_errors():
 
 
 @trio_test
-async def test_awaiting_or_calling_delayed_outside_run_is_a_clear_error():
+async def test_calling_delayed_outside_run_is_a_clear_error_but_values_await_anywhere():
     with pytest.raises(RuntimeError, match="calling the delayed function"):
         add1(1)
-    with pytest.raises(RuntimeError, match="can only be awaited inside a grain mission"):
-        await (grain.delayedval(1) + 1)
+    # A placeholder that needs no job can be awaited anywhere, as upstream's tests do.
+    assert await (grain.delayedval(1) + 1) == 2
+    pair = grain.delayedval([3, 4], length=2)
+    a, b = pair
+    pair[1] += 99
+    assert await pair == [3, 103] and await a == 3 and await b == 4
+    shared = grain.delayedval([3, 4], length=2, copy_on_setitem=False)
+    a, b = shared
+    shared[1] = 9
+    assert await shared == [3, 9] and await b == 9  # the value itself was changed
+    with pytest.raises(AttributeError):
+        grain.delayedval([1])._hidden()
 
 
 def test_run_accepts_rpw_alias_and_rejects_both():
@@ -1536,8 +1595,9 @@ class Daemon:
         self.tmp_path, self.workers = tmp_path, workers
         self.edge = f"edge://{tmp_path}/edge"
         self.config = tmp_path / "grain.toml"
-        self.config.write_text(f'address = "{self.edge}"\n[head]\n'
-                               f'log_file = "{tmp_path}/head.log"\n{extra}')
+        # upstream's key for the daemon's log: [head.gnaw] log_file
+        self.config.write_text(f'address = "{self.edge}"\n[head.gnaw]\n'
+                               f'log_file = "{tmp_path}/head.log"\n[head]\n{extra}')
         self.script = tmp_path / "mission.py"
         self.script.write_text(DAEMON_MISSION.format(here=HERE, config=str(self.config)))
         self.missions = []
@@ -1732,7 +1792,7 @@ def test_a_mission_refused_by_an_in_process_head_says_why(tmp_path):
                 return 1
             async def main():
                 return await (f @ Cores(1))()
-            run(main, address={edge!r}, config_file=False)
+            run(main, address={edge!r})
         """)], capture_output=True, text=True, timeout=60)
     finally:
         holder.kill()
@@ -1914,7 +1974,9 @@ def test_config_overrides_and_defaults(tmp_path):
     assert h.script.queue == "debug" and w.script.python == sys.executable
     assert w.res == {"Token": {"token": "gpu"}} and h.idle_quit == 1800
     d = grain.Config().role("worker")
-    assert d.system == "" and d.dial == grain.default_address() and d.script.cores == 1
+    # Upstream's defaults: ask the batch system for no cores, memory or walltime.
+    assert d.system == "" and d.dial == grain.default_address() and d.script.cores == 0
+    assert d.script.memory == 0 and d.script.walltime == ""
     assert grain.parse_config('[head]\nidle_quit = "90s"\nswarm = 3', "y").role(
         "head").idle_quit == 90
     # The reference config is valid as it stands, and means the defaults.
@@ -1927,9 +1989,11 @@ def test_config_overrides_and_defaults(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ("sytem = 'slurm'", "x.toml: unknown key 'sytem'"),
     ("[worker.script]\ncorse = 2", "x.toml: unknown key 'worker.script.corse'"),
-    ("[script]\ncores = 'four'", "x.toml: script.cores: expected a positive whole number, "
+    ("[script]\ncores = 'four'", "x.toml: script.cores: expected a whole number >= 0, "
                                  "got 'four'"),
-    ("[script]\nmemory = -3", "x.toml: script.memory: expected a positive number"),
+    ("[script]\nmemory = -3", "x.toml: script.memory: expected a number of GB >= 0"),
+    ("[head.gnaw]\nenabled = 'no'", "x.toml: head.gnaw.enabled: expected true or false"),
+    ("[head.gnaw]\nmax_con = 3", "x.toml: unknown key 'head.gnaw.max_con'"),
     ("[script]\nwalltime = '25:61:00'", "x.toml: script.walltime: expected a walltime"),
     ("system = 'lsf'", "x.toml: system: expected one of 'slurm', 'pbs', 'custom'"),
     ("[head]\nidle_quit = 'soon'", "x.toml: head.idle_quit: expected a duration"),
@@ -1951,7 +2015,8 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
         assert cp.returncode == 2
         assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
                                     "(known here: address, auth_key, cli_dial, contextmod, " \
-                                    "dial, log_file, name, res, script, system)"
+                                    "dial, log_file, name, res, script, specialized_type, " \
+                                    "system)"
     cp = run_py(GRAIN, "up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     env = dict(os.environ, GRAIN_CONFIG=str(bad))
@@ -1985,8 +2050,8 @@ def test_render_pbs_and_custom_scripts():
     w = grain.parse_config(EXAMPLE_TOML.replace('system = "slurm"', 'system = "pbs"'),
                            "x.toml").role("worker")
     s = grain.render_script(w, "MAIN", 0)
-    assert "#PBS -N grain-worker\n#PBS -q debug\n#PBS -l nodes=1:ppn=16,walltime=24:00:00\n" \
-           "#PBS -l vmem=30720mb\n#PBS -j oe\n#PBS -o " in s
+    assert "#PBS -N grain-worker\n#PBS -q debug\n#PBS -l nodes=1:ppn=16\n" \
+           "#PBS -l walltime=24:00:00\n#PBS -l vmem=30720mb\n#PBS -j oe\n#PBS -o " in s
     assert '#PBS --account=chem\ncd "$PBS_O_WORKDIR"\n' in s and s.endswith("MAIN\n")
     custom = grain.parse_config(textwrap.dedent("""
         system = "custom"
@@ -2000,6 +2065,8 @@ def test_render_pbs_and_custom_scripts():
         '''
         [script]
         extra_args = ["-V"]
+        cores = 1
+        walltime = "1:00:00"
     """), "x.toml").role("worker")
     s = grain.render_script(custom, "MAIN", 0)
     assert "#$ -N grain-worker -pe smp 1 -l h_rt=1:00:00 -o /" in s and "#$ -V\nMAIN" in s
