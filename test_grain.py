@@ -1591,13 +1591,13 @@ DAEMON_MISSION = textwrap.dedent("""
 class Daemon:
     """A config for one address in tmp_path, missions using it, and the CLI."""
 
-    def __init__(self, tmp_path, workers, extra=""):
+    def __init__(self, tmp_path, workers, extra="", gnaw=""):
         self.tmp_path, self.workers = tmp_path, workers
         self.edge = f"edge://{tmp_path}/edge"
         self.config = tmp_path / "grain.toml"
         # upstream's key for the daemon's log: [head.gnaw] log_file
         self.config.write_text(f'address = "{self.edge}"\n[head.gnaw]\n'
-                               f'log_file = "{tmp_path}/head.log"\n[head]\n{extra}')
+                               f'log_file = "{tmp_path}/head.log"\n{gnaw}\n[head]\n{extra}')
         self.script = tmp_path / "mission.py"
         self.script.write_text(DAEMON_MISSION.format(here=HERE, config=str(self.config)))
         self.missions = []
@@ -2465,3 +2465,580 @@ async def test_a_crashed_heads_edge_record_is_replaced(workers, tmp_path, caplog
             assert (await exer.submit(Cores(1), where_am_i, 1))[3] == "patient"
     assert f"replacing the stale record of pid {dead.pid}" in caplog.text
     assert "stale head record" in w.log_path.read_text()
+
+
+###############################################################################
+# Drop-in for upstream Grain 0.17: its API, its configs, the programs built on it
+###############################################################################
+
+
+@trio_test
+async def test_a_plain_trio_tasklet_sets_gvar_res_and_subprocify_pins_to_it():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    seen = {}
+
+    async def child():
+        seen["child"] = (list(GVAR.res.c), GVAR.res.N, GVAR.res.m, GVAR.instance)
+
+    async def tasklet():
+        # How upstream documents running a tasklet outside a mission.
+        GVAR.res = Node(N=cores, M=1)
+        GVAR.instance = "by hand"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(child)
+        async with subprocess_pool_scope():
+            seen["pool"] = await sp_info(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tasklet)
+    assert seen["child"] == (cores, len(cores), 1, "by hand")
+    _, child_pid, pinned, child_cores, child_instance = seen["pool"]
+    assert child_pid != os.getpid() and pinned == cores  # the pool process ran on those cores
+    assert child_cores == cores and child_instance == "by hand"
+    assert GVAR.res is ZERO and GVAR.instance is None  # context-local: not set out here
+
+
+async def _memory_of_my_job():
+    return GVAR.res.m, GVAR.res.M, GVAR.res.N
+
+
+def test_a_node_job_reads_its_memory_from_gvar():
+    async def main():
+        return await (delayed(_memory_of_my_job) @ Node(1, 1))()
+
+    assert run(main, local=Node(2, 4), config_file=False) == (1, 1, 1)
+
+
+def test_every_upstream_import_path_resolves():
+    import grain.combine
+    import grain.local_sworker
+    from grain.combine import exec1, load_cache_or_exec1, open_waitgroup  # noqa: F401
+    from grain.contextvar import GVAR as gvar
+    from grain.delayed import Delayed, DelayedFn, delayedval  # noqa: F401
+    from grain.head import GrainExecutor
+    from grain.resource import REJECT, TIMESTAT_NSAMPLE, Reject  # noqa: F401
+    from grain.subproc import BrokenSubprocessError as broken  # noqa: F401
+    from grain.util import QueueLimiter, open_nursery_with_capacity, set_numpy_oneline_repr  # noqa: F401
+
+    assert gvar is GVAR and GrainExecutor is grain.GrainExecutor and TIMESTAT_NSAMPLE == 8
+    assert grain.combine.run is grain.run_combine and "run" in grain.combine.__all__
+    assert grain.local_sworker.GRAIN_SWORKER_CONFIG == {"BACKENDLESS": True}
+    assert isinstance(delayed(add1.fn), DelayedFn) and grain.DelayedFunction is DelayedFn
+
+
+async def _two(x):
+    return x, x + 1
+
+
+def test_delayed_forms_and_resource_less_calls_start_in_call_order():
+    order = []
+
+    async def note(i):
+        order.append(i)  # before its first pause: the order calls started in
+        await trio.sleep(0)
+
+    pair = delayed(_two, 2)  # upstream's positional nout
+    note_ = delayed(note)
+
+    async def main():
+        a, b = pair(1)
+        await each(reversed([note_(i) for i in range(40)]))
+        return await a, await b
+
+    for _ in range(5):  # trio starts tasks of one batch in a random order
+        order.clear()
+        assert run(main, local=ZERO, config_file=False) == (1, 2)
+        assert order == list(range(40))
+
+
+def test_run_and_the_executor_take_upstreams_arguments(caplog):
+    async def main():
+        return await (add1 @ Cores(1))(1)
+
+    assert run(main, [], Cores([0]), config_file=False) == 2  # positional waddrs, rpw
+    caplog.set_level(logging.WARNING, "grain")
+    assert run(main, [], Cores([0]), config_file=False, stat_tag=str) == 2
+    assert "run(stat_tag=...) has no effect" not in caplog.text  # (GrainExecutor says it)
+    assert "GrainExecutor(stat_tag=...) has no effect in grain.py" in caplog.text
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        run(main, local=Cores([0]), config_file=False, bogus=1)
+
+    async def exercise():
+        async with grain.GrainExecutor([], Cores([0])) as exer:  # upstream's (waddrs, rpw)
+            assert [w.name for w in exer.workers] == ["local"]
+        async with grain.GrainExecutor(rpw=Cores([0]), nolocal=True) as exer:
+            assert exer.workers == []
+        tries = []
+
+        async def flaky():
+            tries.append(1)
+            raise KeyError("temporary")
+
+        async with grain.GrainExecutor(rpw=Cores(1), temporary_err=(KeyError,),
+                                       reschedule=False) as exer:  # upstream: abort at once
+            with pytest.raises(KeyError):
+                await exer.submit(Cores(1), flaky)
+        assert len(tries) == 1
+
+    trio.run(exercise)
+
+
+async def _flaky_once(state):
+    state.append(1)
+    if len(state) == 1:
+        raise KeyError("the first time only")
+    return len(state)
+
+
+def test_a_failing_job_without_resources_is_retried_not_stranded():
+    # With temporary_err, a ZERO job that failed once went back to the resource queue,
+    # where no worker ever took it: the mission hung.
+    async def bare():
+        async with grain.GrainExecutor(temporary_err=(KeyError,)) as exer:
+            with trio.fail_after(10):
+                return await exer.submit(ZERO, _flaky_once, [])
+
+    assert trio.run(bare) == 2
+
+    async def delayed_main():
+        with trio.fail_after(10):
+            return await delayed(_flaky_once)([])
+
+    assert run(delayed_main, local=ZERO, config_file=False, temporary_err=(KeyError,)) == 2
+
+    async def combine_main():
+        with trio.fail_after(10):
+            return await grain.exec1(ZERO, _flaky_once, [])
+
+    assert grain.combine.run(combine_main, [], ZERO, config_file=False,
+                             temporary_err=(KeyError,)) == 2
+
+
+def test_combine_asubmit_and_the_cache_protocol():
+    cache, calls = {3: 30}, []
+
+    async def compute(x, scale=10):
+        calls.append(x)
+        return x * scale
+
+    async def lookup(x):
+        if x == 5:  # a lookup that raises here found nothing; as a job, its error counts
+            raise OSError("the cache is unreadable")
+        return x in cache, cache.get(x)
+
+    compute.cache_fn = lookup
+
+    async def main():
+        async with grain.open_waitgroup() as wg:
+            await wg.asubmit(Cores(1), compute, 2)
+            wg.load_cache_or_submit(Cores(1), compute, 3)  # cached: no job
+            wg.load_cache_or_submit(Cores(1), compute, 4, scale=2)
+            if compute.cache_res is ZERO:
+                wg.load_cache_or_submit(Cores(1), compute, 5)
+        return wg.results, await grain.combine.load_cache_or_exec1(Cores(1), compute, 3)
+
+    compute.cache_res = ZERO  # the lookup runs here
+    assert grain.combine.run(main, [], Cores([0]), config_file=False) == ([20, 30, 8, 50], 30)
+    assert sorted(calls) == [2, 4, 5]
+    compute.cache_res, calls[:] = Cores(1), []  # the lookup is a job of its own
+    assert grain.combine.run(main, [], Cores([0]), config_file=False) == ([20, 30, 8], 30)
+    assert sorted(calls) == [2, 4]
+
+
+@trio_test
+async def test_queue_limiter_and_a_nursery_with_capacity(autojump_clock):
+    running, peak = [0], [0]
+
+    async def busy(i):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await trio.sleep(1)
+        running[0] -= 1
+        return i
+
+    async def main():
+        total = 0
+        async with grain.util.QueueLimiter(3) as ql:
+            for i in range(10):
+                total += await ql(delayed(busy) @ Cores(1))(i)
+        return await total
+
+    assert await _in_mission(main, local=Cores(8)) == 45
+    assert peak[0] == 3 and trio.current_time() == 4   # ceil(10 / 3) rounds of 1 s
+    peak[0] = 0
+    async with grain.util.open_nursery_with_capacity(2) as nursery:
+        for i in range(5):
+            await nursery.start_once_acquired(busy, i)
+    assert peak[0] == 2 and trio.current_time() == 7
+    with pytest.raises(ValueError, match="QueueLimiter"):
+        async with grain.util.QueueLimiter(0):
+            pass
+
+
+def test_numpy_oneline_repr():
+    np = pytest.importorskip("numpy")
+    grain.util.set_numpy_oneline_repr()
+    try:
+        assert repr(np.arange(10)) == "array[(10,)](0, 1, 2...)"
+        assert repr(np.zeros((2, 2))) == "array[(2, 2)](0.0, 0.0, 0.0...)"
+    finally:
+        np.set_printoptions(override_repr=None) if np.__version__ >= "2" else \
+            np.set_string_function(None)
+
+
+CLOUD_SWORKER = textwrap.dedent("""
+    # A backendless specialized worker: a service the mission reaches with a client.
+    from contextlib import asynccontextmanager
+    GRAIN_SWORKER_CONFIG = dict(BACKENDLESS=True)
+
+    @asynccontextmanager
+    async def grain_run_sworker():
+        yield dict(name="cloud-1", region="eu")
+
+    @asynccontextmanager
+    async def grain_context(region):
+        yield f"client for {region}"
+""")
+
+SERVER_SWORKER = textwrap.dedent("""
+    # A specialized worker: its process runs a server; the mission's jobs use a client.
+    import os
+    from contextlib import asynccontextmanager
+    GRAIN_SWORKER_CONFIG = dict()
+    MARKS = {marks!r}
+
+    @asynccontextmanager
+    async def grain_run_sworker():
+        open(MARKS + "-started", "w").write(str(os.getpid()))
+        try:
+            yield dict(name=f"srv-{{os.getpid()}}", server_pid=os.getpid())
+        finally:
+            open(MARKS + "-stopped", "w").write(str(os.getpid()))
+
+    @asynccontextmanager
+    async def grain_context(server_pid):
+        yield f"client of server {{server_pid}}"
+""")
+
+
+async def _who_runs_me():
+    await trio.sleep(0)
+    return GVAR.instance, GVAR.context, os.getpid()
+
+
+def test_a_backendless_specialized_worker_runs_in_the_mission(tmp_path):
+    (tmp_path / "cloud.py").write_text(CLOUD_SWORKER)
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'address = "edge://{tmp_path}/edge"\n[worker]\n'
+                   f'specialized_type = "{tmp_path}/cloud.py"\n'
+                   'res = { Token = { token = "cloud" } }\n')
+
+    async def main():
+        return await (delayed(_who_runs_me) @ Token("cloud"))()
+
+    # No local=: the mission is its own head, as its specialized worker's jobs run here.
+    assert run(main, config_file=str(cfg)) == ("cloud-1", "client for eu", os.getpid())
+    up = run_py(GRAIN, "up", "-c", str(cfg))
+    assert up.returncode == 0 and "is backendless" in up.stderr
+    cfg.write_text(cfg.read_text().replace(f"{tmp_path}/cloud.py", "grain.local_sworker"))
+    assert run(main, config_file=str(cfg))[:2] == ("local", None)
+
+
+def test_a_specialized_worker_keeps_its_server_while_the_mission_runs_its_jobs(
+        tmp_path, workers):
+    marks = str(tmp_path / "server")
+    (tmp_path / "server.py").write_text(SERVER_SWORKER.format(marks=marks))
+    edge = f"edge://{tmp_path}/edge"
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'address = "{edge}"\n[worker]\nspecialized_type = "{tmp_path}/server.py"\n')
+    dry = run_py(GRAIN, "up", "--dry", "-c", str(cfg))
+    assert f"--sworker {tmp_path}/server.py" in dry.stdout, dry.stderr
+    w = workers.start("--url", edge, "--sworker", str(tmp_path / "server.py"), "-r",
+                      '{"Token": {"token": "srv"}}', name="ignored")
+
+    async def main():
+        return await (delayed(_who_runs_me) @ Token("srv"))()
+
+    instance, context, pid = run(main, config_file=str(cfg))
+    server = int(pathlib.Path(marks + "-started").read_text())
+    assert (instance, context, pid) == (f"srv-{server}", f"client of server {server}",
+                                        os.getpid())
+    assert server == w.pid
+    w.wait(15)  # FIN at the mission's end: the worker leaves and stops its server
+    assert pathlib.Path(marks + "-stopped").read_text() == str(w.pid)
+
+
+def test_contextmod_and_head_log_file_reach_the_local_worker(tmp_path):
+    (tmp_path / "ctx.py").write_text(textwrap.dedent("""
+        from contextlib import asynccontextmanager
+        @asynccontextmanager
+        async def grain_context():
+            yield "from the context module"
+    """))
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'contextmod = "{tmp_path}/ctx.py"\naddress = "edge://{tmp_path}/edge"\n'
+                   f'[head]\nlog_file = "{tmp_path}/jobs.log"\n')
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r})
+        from grain import GVAR
+        from grain.delayed import delayed, run
+        from grain.resource import Cores
+
+        @delayed
+        async def job():
+            print("the job prints this")
+            return GVAR.context
+
+        async def main():
+            print("main prints this")
+            return await (job @ Cores(1))(), await job()
+
+        print(run(main, local=Cores(1), config_file={str(cfg)!r}))
+    """)
+    cp = run_py("-c", code)
+    assert cp.returncode == 0, cp.stderr
+    assert "main prints this" in cp.stdout and "the job prints this" not in cp.stdout
+    assert "('from the context module', 'from the context module')" in cp.stdout
+    assert (tmp_path / "jobs.log").read_text() == "the job prints this\nthe job prints this\n"
+
+
+# Upstream's reference config (example/grain.reference.toml): its keys and values.
+UPSTREAM_REFERENCE = """
+system = ""
+contextmod = ""
+address = "edge://$HOME/.local/share/edge-file-default"
+[head]
+name = "grain_head"
+main_log_file = "/dev/null"
+log_file = ""
+listen = ""
+cmd = '''
+python ENTRYPOINT.py
+'''
+[head.gnaw]
+enabled = true
+log_file = ""
+max_conn = 8
+idle_quit = "30m"
+swarm = 0
+extra_args = []
+[head.script]
+walltime = "24:00:00"
+[worker]
+name = "w{{HHMMSS}}"
+log_file = "./w{{HHMMSS}}.log"
+dial = ""
+cli_dial = ""
+[worker.res]
+Token = { token="has-gpu" }
+Capacity = { V=8 }
+[script]
+shebang = "#!/bin/bash"
+queue = "''"
+walltime = ""
+cores = 0
+memory = 0
+extra_args = []
+setup_cleanup = '''
+module load gaussian/16
+defer rm -r $GAUSS_SCRDIR
+'''
+"""
+
+# As upstream's stampede2 example: Slurm through a template of its own, without --mem.
+UPSTREAM_CUSTOM_TEMPLATE = '''
+system = "slurm"
+[worker]
+log_file = "./w{{HHMMSS}}-sp2.log"
+[script]
+queue = "skx-dev"
+walltime = "00:30:00"
+cores = 48
+memory = 150
+[custom_system]
+submit_cmd = "sbatch"
+directory = "#SBATCH"
+template = """{c.script.shebang}
+#SBATCH -J {c.name}
+#SBATCH -p {c.script.queue}
+#SBATCH --ntasks-per-node={c.script.cores}
+#SBATCH --time={c.script.walltime}
+#SBATCH -o {c.log_file}
+{c.script.extra_args_str}
+
+{{MAIN}}
+"""
+'''
+
+
+def test_upstream_configs_pass_up_dry(tmp_path):
+    ref = tmp_path / "grain.reference.toml"
+    ref.write_text(UPSTREAM_REFERENCE)
+    cp = run_py(GRAIN, "up", "--dry", "-c", str(ref))
+    assert cp.returncode == 0, cp.stderr
+    lines = cp.stdout.splitlines()
+    assert lines[0] == "#!/bin/bash" and "defer" not in cp.stdout
+    worker = shlex.split(lines[-1])
+    res = _json.loads(worker[worker.index("--res") + 1])
+    # cores = 0, memory = 0, walltime = "": nothing asked; the worker offers what it finds.
+    assert res == {"Token": {"token": "has-gpu"}, "Capacity": {"V": 8}}
+    h, w = (grain.parse_config(UPSTREAM_REFERENCE, "ref").role(r) for r in ("head", "worker"))
+    assert h.gnaw_enabled and h.max_missions == 8 and h.idle_quit == 1800 and h.swarm == 0
+    assert w.script.queue == "" and h.script.walltime == "24:00:00" and w.cli_dial == w.dial
+    slurm = tmp_path / "slurm.toml"
+    slurm.write_text(UPSTREAM_REFERENCE.replace('system = ""', 'system = "slurm"'))
+    cp = run_py(GRAIN, "up", "--dry", "-c", str(slurm))
+    assert cp.returncode == 0, cp.stderr
+    assert "#SBATCH --nodes=1" in cp.stdout and "--time" not in cp.stdout \
+        and "--mem" not in cp.stdout and "--ntasks" not in cp.stdout and "-p " not in cp.stdout
+    custom = tmp_path / "stampede2.toml"
+    custom.write_text(UPSTREAM_CUSTOM_TEMPLATE)
+    cp = run_py(GRAIN, "up", "--dry", "-c", str(custom))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.startswith("#!/bin/bash\n#SBATCH -J grain-worker\n#SBATCH -p skx-dev\n"
+                                "#SBATCH --ntasks-per-node=48\n#SBATCH --time=00:30:00\n")
+    assert "--mem" not in cp.stdout
+    worker = shlex.split(cp.stdout.strip().splitlines()[-1])
+    assert _json.loads(worker[worker.index("--res") + 1])["Cores"] == {"N": 48}
+    gnaw = grain.parse_config('[head.gnaw]\nenabled = false\nlog_file = "d.log"\n'
+                              'max_conn = 2\nidle_quit = "5m"\nswarm = 3\n', "g").role("head")
+    assert (gnaw.gnaw_enabled, gnaw.daemon_log, gnaw.max_missions, gnaw.idle_quit,
+            gnaw.swarm) == (False, "d.log", 2, 300, 3)
+
+
+def test_a_mission_with_the_daemon_disabled_is_its_own_head(tmp_path, workers):
+    edge = f"edge://{tmp_path}/edge"
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'address = "{edge}"\n[head.gnaw]\nenabled = false\n')
+    workers.start("--url", edge, "-r", '{"Node": {"N": 1, "M": 1}}', name="w")
+
+    async def main():
+        return await (delayed(_memory_of_my_job) @ Node(1, 1))(), os.getpid()
+
+    assert run(main, config_file=str(cfg)) == ((1, 1, 1), os.getpid())
+    assert not os.path.exists(grain.mission_socket_path(edge))  # no head daemon started
+
+
+def test_up_forwards_other_arguments_and_names_each_submission(tmp_path):
+    submitted = tmp_path / "submitted"
+    (tmp_path / "sbatch.py").write_text(textwrap.dedent(f"""
+        import sys
+        with open({str(submitted)!r}, "a") as f:
+            f.write(" ".join(sys.argv[1:]) + "\\n")
+        print(len(open({str(submitted)!r}).read().splitlines()))
+    """))
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        system = "custom"
+        address = "edge://{tmp_path}/edge"
+        [custom_system]
+        submit_cmd = "{sys.executable} {tmp_path}/sbatch.py"
+        template = "#!/bin/sh\\n# {{name}} {{log_file}}\\n{{main}}"
+        [worker]
+        name = "w{{{{HHMMSS}}}}"
+        log_file = "{tmp_path}/w{{{{HHMMSS}}}}.log"
+    """))
+    cp = subprocess.run([sys.executable, GRAIN, "up", "-n", "5", "-c", str(cfg), "--qos=x",
+                         "-A", "chem"], capture_output=True, text=True, cwd=tmp_path)
+    assert cp.returncode == 0, cp.stderr
+    calls = submitted.read_text().splitlines()
+    assert len(calls) == 5 and all(c.startswith("--qos=x -A chem ") for c in calls)
+    names = re.findall(r"submitted worker job \d+ \((w\S+)\); log: (\S+)", cp.stdout)
+    assert len({n for n, _ in names}) == 5 and len({log for _, log in names}) == 5
+    assert names[1][0] == names[0][0] + "-1"
+
+
+def test_python_dash_m_grain_runs_the_cli():
+    cp = run_py("-m", "grain", "--version")
+    assert cp.returncode == 0 and cp.stdout.startswith("grain.py ")
+
+
+@pytest.mark.parametrize("fake,states", [
+    ("echo 5 RUNNING", {"5": "RUNNING", "6": "ENDED"}),
+    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1",
+     {"5": "ENDED", "6": "ENDED"}),
+    ("echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1",
+     {"5": "UNKNOWN", "6": "UNKNOWN"}),
+])
+def test_a_failed_batch_query_means_unknown_never_ended(tmp_path, monkeypatch, fake, states):
+    (tmp_path / "squeue").write_text(f"#!/bin/sh\n{fake}\n")
+    (tmp_path / "qstat").write_text("#!/bin/sh\necho 'cannot connect to server' >&2; exit 1\n")
+    for f in ("squeue", "qstat"):
+        (tmp_path / f).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert grain.batch_states("slurm", ["5", "6"]) == states
+    assert grain.batch_states("pbs", ["7"]) == {"7": "UNKNOWN"}
+
+
+def test_down_and_ls_keep_jobs_whose_state_is_unknown(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for cmd in ("squeue", "scancel"):
+        (fake / cmd).write_text("#!/bin/sh\necho 'Unable to contact slurm controller' >&2\n"
+                                "exit 1\n")
+        (fake / cmd).chmod(0o755)
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'system = "slurm"\naddress = "edge://{tmp_path}/edge"\n')
+    book = grain.JobBook(f"edge://{tmp_path}/edge")
+    book.add({"id": "41", "system": "slurm", "role": "worker", "name": "w", "log": ""})
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
+    ls = subprocess.run([sys.executable, GRAIN, "ls", "-c", str(cfg)], capture_output=True,
+                        text=True, env=env)
+    assert "job 41 (w): state unknown" in ls.stdout and "ENDED" not in ls.stdout
+    down = subprocess.run([sys.executable, GRAIN, "down", "-c", str(cfg)], capture_output=True,
+                          text=True, env=env)
+    assert "job 41 (w): scancel failed" in down.stdout
+    assert [r["id"] for r in book.records()] == ["41"]  # not forgotten while unknown
+
+
+def test_a_head_daemon_counts_failures_by_class_and_holds_max_conn(tmp_path, workers):
+    daemon = Daemon(tmp_path, workers, gnaw="max_conn = 1")
+    try:
+        daemon.worker(cores=2)
+        failing = tmp_path / "failing.py"
+        failing.write_text(textwrap.dedent(f"""
+            import sys, trio; sys.path.insert(0, {HERE!r})
+            from grain.delayed import delayed, run
+            from grain.resource import Cores, WTime
+
+            @delayed
+            async def fail(seconds):
+                await trio.sleep(seconds)
+                raise ValueError("no")
+
+            async def main():
+                for job in ((fail @ Cores(1))(0), (fail @ (Cores(1) & WTime(T=1)))(30)):
+                    try:
+                        await job
+                    except (ValueError, trio.TooSlowError) as e:
+                        print(type(e).__name__)
+                await trio.sleep(30)  # stay attached, holding the daemon's one place
+
+            run(main, config_file={str(daemon.config)!r})
+        """))
+        holder = subprocess.Popen([sys.executable, str(failing)], cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        daemon.missions.append(holder)
+        ls = daemon.wait_ls("2 failed (raised: 1, ran past its T: 1)", "missions: 1 attached")
+        refused = daemon.mission(1, 0)
+        out, err = refused.communicate(timeout=60)
+        assert refused.returncode == 1
+        assert "serves 1 missions already, its limit ([head.gnaw] max_conn)" in err, err
+    finally:
+        daemon.close()
+
+
+@trio_test
+async def test_with_persistent_false_a_lost_worker_fails_its_jobs(workers, tmp_path):
+    pidfile = tmp_path / "pid"
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0", persistent=False) as exer:
+        w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+        await exer.wait_for_workers(1)
+        job = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 30)
+        with trio.fail_after(10):
+            while not pidfile.exists():
+                await trio.sleep(0.05)
+        w.kill()
+        with pytest.raises(grain.WorkerLostError):  # upstream: abort when a worker leaves
+            await job
+        assert job.attempts == 1
