@@ -607,6 +607,12 @@ class ResourceSet(Resource):
             return self.parts[req.kind]._alloc(req)
         return super()._take(req)
 
+    def dealloc(self, alloc):
+        if alloc.kind is not None and alloc.kind in self.parts:
+            self.parts[alloc.kind]._dealloc(alloc)
+        else:
+            super().dealloc(alloc)
+
     def _repr(self):
         return " & ".join(p._repr() for p in self.parts.values()) if self.parts else "Ø"
 
@@ -699,61 +705,73 @@ class Cores(Resource):
 
     kind = "Cores"
     _ARGS = ("N",)
-    __slots__ = ("N", "c", "_total", "_counted")
+    # _ids: a plain sorted list (bisect is fastest on one), or None for the ids 0..N-1 of
+    # Cores(N) until they are needed: a request (one per job) never needs them.
+    __slots__ = ("N", "_ids", "_total", "_counted")
 
     def __init__(self, N):
         if isinstance(N, int) and not isinstance(N, bool):
-            ids, self._counted = list(range(_check_count(N, "Cores(N): the core count"))), True
+            self.N = self._total = _check_count(N, "Cores(N): the core count")
+            self._ids, self._counted = None, True
         elif isinstance(N, (list, tuple, set, frozenset, range)):
             ids = sorted({_check_count(i, "Cores([ids]): a core id") for i in N})
-            self._counted = False
+            self._ids, self.N, self._total, self._counted = ids, len(ids), len(ids), False
         else:
             raise ValueError(f"Cores(N) takes a whole number of cores or a list of core ids, "
                              f"got {N!r}")
-        self.c, self.N, self._total = CoreIds(ids), len(ids), len(ids)
 
     @classmethod
-    def _ids(cls, ids):  # fast constructor for allocations: ids already sorted and valid
+    def _of(cls, ids):  # fast constructor for allocations: ids already sorted and valid
         r = object.__new__(cls)
-        r.c, r.N, r._total, r._counted = CoreIds(ids), len(ids), len(ids), False
+        r._ids, r.N, r._total, r._counted = ids, len(ids), len(ids), False
         return r
+
+    def _id_list(self):
+        if self._ids is None:
+            self._ids = list(range(self.N))
+        return self._ids
+
+    @property
+    def c(self):
+        """The ids, as a CoreIds (a copy: giving cores back goes through dealloc)."""
+        return CoreIds(self._id_list())
 
     def _request(self, res):
         return res.N <= self.N
 
     def _alloc(self, res):
-        n = res.N
-        taken = self.c[:n]
-        del self.c[:n]
+        n, ids = res.N, self._ids if self._ids is not None else self._id_list()
+        taken = ids[:n]
+        del ids[:n]
         self.N -= n
-        return Cores._ids(taken)
+        return Cores._of(taken)
 
     def _dealloc(self, res):
-        for i in res.c:
-            bisect.insort(self.c, i)
-        self.N = len(self.c)
+        ids = self._ids if self._ids is not None else self._id_list()
+        for i in res._ids:
+            bisect.insort(ids, i)
+        self.N = len(ids)
 
     def _refusal(self, res):
         return f"{self!r} cannot allocate {res.N} core(s)"
 
     def _repr(self):
-        return f"CPU_Cores([{_fmt_ids(self.c)}])"
+        return f"CPU_Cores([{_fmt_ids(self._id_list())}])"
 
     def _stat(self):
         return (self.N, self._total)
 
     def _args(self):
-        return {"N": self.N if self._counted else list(self.c)}
+        return {"N": self.N if self._counted else list(self._ids)}
 
     def _key(self):
-        return (self.N, self.c)
+        return (self.N, self._id_list())
 
     def __getstate__(self):
-        return (self.N, list(self.c), self._total, self._counted)
+        return (self.N, self._ids, self._total, self._counted)
 
     def __setstate__(self, st):
-        self.N, c, self._total, self._counted = st
-        self.c = CoreIds(c)
+        self.N, self._ids, self._total, self._counted = st
 
 
 class _Quantity(Resource):
@@ -2080,7 +2098,7 @@ def _local_provider(rpw):
         log.info("local worker: %d cores requested but this process may use %d; core ids "
                  "%s are virtual", cores.N, len(allowed), _fmt_ids(ids))
     parts = dict(rpw._parts())
-    parts["Cores"] = Cores._ids(ids)
+    parts["Cores"] = Cores._of(ids)
     return ResourceSet._of(parts)
 
 
@@ -2531,7 +2549,10 @@ class GrainExecutor:
         self.elapsed = None
         self.listen = listen
         self.key = key
-        self.waddrs = list(waddrs)
+        # upstream's passive workers are host names, listening on port 4242
+        self.waddrs = [a if "://" in a else f"tcp://{a}:4242" for a in waddrs]
+        for url in self.waddrs:
+            parse_url(url)
         self.max_frame = max_frame
         self.listen_optional = listen_optional  # a mission runs on if another head has the address
         self.urls = {}           # where this head listens: {interface: url}
@@ -4018,15 +4039,18 @@ def _oneline_array_repr(a, edgeitems=3):
     return f"array[{a.shape}]({items}{'...' if flat.size > edgeitems else ''})"
 
 
-def set_numpy_oneline_repr():
+def set_numpy_oneline_repr(on=True):
     """Make NumPy arrays show as one short line (shape and first items), keeping logs of
-    jobs with large array arguments readable."""
+    jobs with large array arguments readable (``on=False``: NumPy's own repr again)."""
     import numpy as np
 
-    if "override_repr" in inspect.signature(np.set_printoptions).parameters:  # NumPy >= 2
-        np.set_printoptions(override_repr=_oneline_array_repr)
-    else:  # pragma: no cover - NumPy 1
-        np.set_string_function(_oneline_array_repr, repr=True)
+    fn = _oneline_array_repr if on else None
+    if "override_repr" in inspect.signature(np.set_printoptions).parameters:  # NumPy 2.1+
+        np.set_printoptions(override_repr=fn)
+    else:  # NumPy 1 has it public; 2.0 only in its core module
+        setter = getattr(np, "set_string_function", None) or \
+            importlib.import_module("numpy._core.multiarray").set_string_function
+        setter(fn, True)
 
 
 ###############################################################################
@@ -4110,10 +4134,10 @@ def worker_provider(req=None, oversubscribe=False):
         allowed = granted
     parts = dict((req or ZERO)._parts())
     parts.setdefault("Memory", Memory(_memory_gb()))
-    cores = parts.setdefault("Cores", Cores._ids(allowed))
+    cores = parts.setdefault("Cores", Cores._of(allowed))
     if cores is not None:
         if cores._counted and cores.N > len(allowed) and oversubscribe:
-            parts["Cores"] = Cores._ids(allowed + [max(allowed) + 1 + i for i in
+            parts["Cores"] = Cores._of(allowed + [max(allowed) + 1 + i for i in
                                                    range(cores.N - len(allowed))])
             log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
                      cores.N, len(allowed), _fmt_ids(allowed))
@@ -4121,7 +4145,7 @@ def worker_provider(req=None, oversubscribe=False):
             if cores.N > len(allowed):
                 raise UsageError(f"--res asks for {cores.N} cores but this process may use "
                                  f"only {len(allowed)} ({_fmt_ids(allowed)})")
-            parts["Cores"] = Cores._ids(allowed[:cores.N])
+            parts["Cores"] = Cores._of(allowed[:cores.N])
         elif not set(cores.c) <= set(allowed):
             raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
                              f"only {_fmt_ids(allowed)}")

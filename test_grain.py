@@ -2563,6 +2563,12 @@ def test_run_and_the_executor_take_upstreams_arguments(caplog):
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         run(main, local=Cores([0]), config_file=False, bogus=1)
 
+    # upstream's passive workers are host names (port 4242)
+    assert grain.GrainExecutor(["node1", "tcp://node2:7"]).waddrs == [
+        "tcp://node1:4242", "tcp://node2:7"]
+    with pytest.raises(ValueError, match="unsupported address scheme 'udp'"):
+        grain.GrainExecutor(["udp://node1:1"])
+
     async def exercise():
         async with grain.GrainExecutor([], Cores([0])) as exer:  # upstream's (waddrs, rpw)
             assert [w.name for w in exer.workers] == ["local"]
@@ -2682,8 +2688,8 @@ def test_numpy_oneline_repr():
         assert repr(np.arange(10)) == "array[(10,)](0, 1, 2...)"
         assert repr(np.zeros((2, 2))) == "array[(2, 2)](0.0, 0.0, 0.0...)"
     finally:
-        np.set_printoptions(override_repr=None) if np.__version__ >= "2" else \
-            np.set_string_function(None)
+        grain.util.set_numpy_oneline_repr(False)
+    assert repr(np.arange(3)) == "array([0, 1, 2])"
 
 
 CLOUD_SWORKER = textwrap.dedent("""

@@ -3,6 +3,11 @@ a markdown table of the medians.
 
     bash bench/setup.sh                 # once: the three virtualenvs under bench/.venvs/
     python bench/compare.py [--rounds 5] [--only NAME ...] [--no-dask]
+    python bench/compare.py --vs DIR [--rounds 5] [--only NAME ...]
+
+--vs DIR compares this checkout's grain.py with another checkout's (a git worktree of the
+commit before a change, say), running each benchmark from its own checkout, alternating;
+it needs only the grainpy venv (or runs under this Python).
 
 Each figure is measured in rounds, and within a round every implementation runs once in
 turn (grain.py, upstream, Dask, then again), so that a slow minute of a shared machine
@@ -52,14 +57,18 @@ BENCHMARKS = [
 ]
 
 
-def run_one(impl, args):
-    python = os.path.join(VENVS, impl, "bin", "python")
+def run_one(impl, args, bench_dir=HERE):
+    """The last line of one benchmark run; ``impl`` "vs" is grain.py in ``bench_dir``."""
+    python = os.path.join(VENVS, "grainpy" if impl == "vs" else impl, "bin", "python")
     if not os.path.exists(python):
-        sys.exit(f"compare.py: {python} is missing; run `bash bench/setup.sh` first")
+        if impl not in ("grainpy", "vs"):
+            sys.exit(f"compare.py: {python} is missing; run `bash bench/setup.sh` first")
+        python = sys.executable
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # as for a user: bytecode caches are kept
-    cp = subprocess.run([python, os.path.join(HERE, args[0]), "--impl", impl, *args[1:]],
-                        cwd=HERE, env=env, capture_output=True, text=True, timeout=1800)
+    cp = subprocess.run([python, os.path.join(bench_dir, args[0]), "--impl",
+                         "grainpy" if impl == "vs" else impl, *args[1:]],
+                        cwd=bench_dir, env=env, capture_output=True, text=True, timeout=1800)
     lines = cp.stdout.strip().splitlines()
     if cp.returncode != 0 or not lines:
         tail = (cp.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -84,7 +93,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="*", choices=[b[0] for b in BENCHMARKS])
     ap.add_argument("--no-dask", action="store_true")
+    ap.add_argument("--vs", metavar="DIR", help="compare with the grain.py of checkout DIR")
     opts = ap.parse_args()
+    if opts.vs:
+        return compare_checkouts(opts)
     rows = []
     for name, args, impls, figures in BENCHMARKS:
         if opts.only and name not in opts.only:
@@ -111,6 +123,38 @@ def main():
           "rounds, implementations alternating within each round.\n")
     print("| figure | grain.py | upstream 0.17.1 | Dask | grain.py / upstream |")
     print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def compare_checkouts(opts):
+    """This grain.py against the one in ``opts.vs``, alternating within each round."""
+    other = os.path.join(os.path.abspath(opts.vs), "bench")
+    rows = []
+    for name, args, _, figures in BENCHMARKS:
+        if opts.only and name not in opts.only:
+            continue
+        values = {(f[0], i): [] for f in figures for i in ("grainpy", "vs")}
+        for r in range(opts.rounds):
+            for impl, where in (("grainpy", HERE), ("vs", other)):
+                line = run_one(impl, args, where)
+                print(f"[{name} round {r + 1}/{opts.rounds}] {impl}: {line}", file=sys.stderr)
+                for label, regex, _, _ in figures:
+                    m = re.search(regex, line or "")
+                    if m and m.group(1) != "-":
+                        values[(label, impl)].append(float(m.group(1)))
+        for label, _, unit, _ in figures:
+            this, vs = (statistics.median(values[(label, i)]) if values[(label, i)] else None
+                        for i in ("grainpy", "vs"))
+            rows.append((label, fmt(this, unit), fmt(vs, unit),
+                         f"{this / vs:.2f}" if this and vs else "—",
+                         " / ".join(f"{v:g}" for v in values[(label, "grainpy")]),
+                         " / ".join(f"{v:g}" for v in values[(label, "vs")])))
+    print(f"{datetime.date.today()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}, `python bench/compare.py --vs {opts.vs} --rounds "
+          f"{opts.rounds}`: medians, the two alternating within each round.\n")
+    print(f"| figure | this checkout | {opts.vs} | ratio | rounds (this) | rounds ({opts.vs}) |")
+    print("|---|---:|---:|---:|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
