@@ -78,6 +78,21 @@ def run_one(impl, args, bench_dir=HERE):
     return lines[-1]
 
 
+def measure(name, args, runs, figures, rounds):
+    """``{(figure, impl): [value per round]}``, the ``runs`` ((impl, bench dir), ...) taking
+    turns within each round."""
+    values = {(f[0], impl): [] for f in figures for impl, _ in runs}
+    for r in range(rounds):
+        for impl, where in runs:
+            line = run_one(impl, args, where)
+            print(f"[{name} round {r + 1}/{rounds}] {impl}: {line}", file=sys.stderr)
+            for label, regex, _, _ in figures:
+                m = re.search(regex, line or "")
+                if m and m.group(1) != "-":
+                    values[(label, impl)].append(float(m.group(1)))
+    return values
+
+
 def fmt(v, unit):
     if v is None:
         return "—"
@@ -102,15 +117,7 @@ def main():
         if opts.only and name not in opts.only:
             continue
         impls = [i for i in impls if not (opts.no_dask and i == "dask")]
-        values = {(f[0], i): [] for f in figures for i in impls}
-        for r in range(opts.rounds):
-            for impl in impls:
-                line = run_one(impl, args)
-                print(f"[{name} round {r + 1}/{opts.rounds}] {impl}: {line}", file=sys.stderr)
-                for label, regex, _, _ in figures:
-                    m = re.search(regex, line or "")
-                    if m and m.group(1) != "-":
-                        values[(label, impl)].append(float(m.group(1)))
+        values = measure(name, args, [(i, HERE) for i in impls], figures, opts.rounds)
         for label, _, unit, _higher in figures:
             med = {i: statistics.median(values[(label, i)]) if values.get((label, i)) else None
                    for i in ALL}
@@ -134,15 +141,8 @@ def compare_checkouts(opts):
     for name, args, _, figures in BENCHMARKS:
         if opts.only and name not in opts.only:
             continue
-        values = {(f[0], i): [] for f in figures for i in ("grainpy", "vs")}
-        for r in range(opts.rounds):
-            for impl, where in (("grainpy", HERE), ("vs", other)):
-                line = run_one(impl, args, where)
-                print(f"[{name} round {r + 1}/{opts.rounds}] {impl}: {line}", file=sys.stderr)
-                for label, regex, _, _ in figures:
-                    m = re.search(regex, line or "")
-                    if m and m.group(1) != "-":
-                        values[(label, impl)].append(float(m.group(1)))
+        values = measure(name, args, [("grainpy", HERE), ("vs", other)], figures,
+                         opts.rounds)
         for label, _, unit, _ in figures:
             this, vs = (statistics.median(values[(label, i)]) if values[(label, i)] else None
                         for i in ("grainpy", "vs"))
