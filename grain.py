@@ -2,7 +2,8 @@
 
 Write async Python; grain runs each job where the resources it asks for are free
 (``Cores(4) & Memory(8)``, ``WTime(T="1:00:00")``, ``Token("gpu")``) and tells the job
-its exact allocation through ``GVAR.res``.
+its exact allocation through ``GVAR.res``. A drop-in replacement for upstream Grain
+(grain-scheduler 0.17): its import lines, programs and config files work unchanged.
 
     from grain.delayed import delayed, run
     from grain.resource import Cores
@@ -18,21 +19,31 @@ its exact allocation through ``GVAR.res``.
 
 Sections, in dependency order (each uses only what is above it):
 
-    Trampoline        ``python grain.py`` and ``import grain`` share one module
-    Imports, compat   trio and dill; tomllib/exceptiongroup fallbacks below 3.11
-    Constants         every tunable with its unit
-    Errors            GrainError and its children
-    Helpers           walltime parsing, notes on exceptions, this file's argv
-    Resources         the resource algebra and the RESOURCE_TYPES registry
-    Context           GVAR and the run state, in ContextVars
-    Frames            the sans-I/O length-prefixed frame codec
-    Subprocess pool   @subprocify and its on-demand pool of Python processes
-    Workers           the worker interface and the in-process local worker
-    Executor          GrainExecutor: the job queue, dispatch, retries
-    Combine           open_waitgroup, exec1, run_combine
-    Delayed           @delayed, Delayed placeholders, each, run
-    CLI               build_parser() and main(argv); the only place that exits
-    Submodules        grain.delayed, grain.resource, ... for the seeds' import lines
+    Trampoline          ``python grain.py`` and ``import grain`` share one module
+    Imports and compat  trio and dill, imported at first use; 3.9/3.10 fallbacks
+    Constants           every tunable and timeout, with its unit
+    Errors              GrainError and its children
+    Helpers             walltimes, durations, this file's argv, locked files, logging
+    Resources           the resource algebra: Resource, ResourceSet, ZERO, the registry
+    Resource kinds      Cores, Memory, Capacity, Token, WTime, Node, Reject
+    Context             GVAR and the run state, in ContextVars
+    Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
+    Transports          serve() and connect() for tcp, unix and Edge; Channel sessions
+    Subprocess pool     @subprocify and its on-demand pool of Python processes
+    Config              grain.toml as frozen dataclasses
+    Cluster             the batch systems as data (SYSTEMS), job scripts, job records
+    Workers             a worker as a head sees it; local, remote, specialized
+    Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
+    Head service        where workers, the CLI and missions reach a head
+    Mission link        how a mission reaches and uses the head daemon
+    Executor            GrainExecutor: jobs, retries, failure classes, lifetime
+    Combine             open_waitgroup, exec1, run_combine; mission options
+    Delayed             @delayed, Delayed placeholders, each, run; grain.util
+    Worker process      ``grain.py worker``: the other end of a worker
+    Head daemon         ``grain.py head``: the scheduler shared by missions
+    Pack                ``grain.py pack``: grain.pyz for clusters without pip
+    CLI                 build_parser() and main(argv); the only place that exits
+    Submodules          grain.delayed, grain.resource, ... for upstream's import lines
 """
 
 __version__ = "0.1.0"
@@ -40,16 +51,19 @@ __version__ = "0.1.0"
 __all__ = [
     "GVAR", "GrainError", "BrokenSubprocessError",
     "Resource", "ResourceSet", "Cores", "Memory", "Node", "WTime", "Token", "Capacity",
-    "ONE_INSTANCE", "ZERO", "RESOURCE_TYPES", "register_resource",
+    "ONE_INSTANCE", "ZERO", "Reject", "REJECT", "RESOURCE_TYPES", "register_resource",
     "subprocify", "subprocess_pool_scope",
     "GrainExecutor", "Job",
-    "open_waitgroup", "exec1", "run_combine",
-    "delayed", "Delayed", "DelayedFunction", "delayedval", "each", "run",
+    "open_waitgroup", "exec1", "run_combine", "load_cache_or_exec1",
+    "delayed", "Delayed", "DelayedFn", "DelayedFunction", "delayedval", "each", "run",
     "main",
 ]
 
+
 ###############################################################################
 # Trampoline ##################################################################
+
+
 ###############################################################################
 # Run as a script, this file would be module ``__main__`` and a job pickled by a mission
 # (which refers to ``grain.Cores``) would meet a second, different ``Cores`` class. So the
@@ -64,6 +78,7 @@ if __name__ == "__main__":
     _sys.modules["grain"] = _grain
     _spec.loader.exec_module(_grain)
     _sys.exit(_grain.main(_sys.argv[1:]))
+
 
 ###############################################################################
 # Imports and compat ##########################################################
@@ -148,11 +163,16 @@ else:  # pragma: no cover - exercised by the 3.9 CI run
 
 log = logging.getLogger("grain")
 
+
 ###############################################################################
 # Constants ###################################################################
+
+
 ###############################################################################
+# Every tunable and timeout, with its unit. (Protocol constants stay with the protocol.)
 
 MAX_RETRIES = 3           # retries of a job after a temporary failure (so 4 attempts)
+RETIRED_RETRIES = 20      # ... after its worker retired: not the job's fault, a wide bound
 STUCK_WARN_S = 60.0       # seconds the head job may fit no worker before we warn
 STUCK_REPEAT_S = 300.0    # seconds between repeated warnings about the same stuck queue
 STUCK_CHECK_S = 5.0       # seconds between checks of the stuck queue
@@ -161,20 +181,29 @@ RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing e
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
+SUBPROC_REAP_S = 5.0      # ... checked this often
 SUBPROC_MARGIN_S = 0.02   # seconds the child's own T alarm fires before the parent's
 KILL_GRACE_S = 2.0        # seconds between SIGTERM and SIGKILL when stopping a child
 MAX_FRAME = 1 << 30       # bytes; the largest frame a peer may send (1 GiB)
-FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
 HANDSHAKE_TIMEOUT_S = 5.0  # seconds a new connection has to prove it holds the key
 HEARTBEAT_S = 10.0        # seconds between heartbeats, both ways
 SILENT_S = 30.0           # seconds of silence after which a peer is taken for lost
 MISSION_SILENT_S = 300.0  # ... a mission, whose main may block its event loop for a while
+FLUSH_S = 5.0             # seconds a closing connection may take to send what it queued
 EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge record
 EDGE_STALE_S = 45.0       # seconds after which an unrefreshed Edge record is stale
 EDGE_CONNECT_S = 3.0      # seconds to try one URL from an Edge record
 CLI_TIMEOUT_S = 5.0       # seconds `ls`/`quit` wait for a head to answer
 JOB_WATCH_S = 10.0        # seconds between checks for batch jobs that ended unjoined
 LEAVE_BEFORE_S = 180.0    # seconds before its walltime ends that a job script's worker leaves
+BATCH_QUERY_S = 30.0      # seconds a query of the batch system (squeue, qstat) may take
+SUBMIT_S = 60.0           # seconds a submission (sbatch, qsub) or cancellation may take
+HEAD_START_S = 20.0       # seconds a mission waits for the head daemon it started to answer
+HEAD_POLL_S = 0.005       # ... polling its socket this often
+SWARM_CHECK_S = 1.0       # seconds between comparisons of the swarm with its target
+SWARM_STATES_S = 5.0      # ... and between queries of the batch jobs not joined yet
+LOG_TAIL_LINES = 10       # lines of a job's log shown when it ended without joining
+
 
 ###############################################################################
 # Errors ######################################################################
@@ -215,9 +244,18 @@ class WorkerRetiredError(GrainError):
     """The worker running a job left on purpose (walltime, quit, SIGTERM)."""
 
 
+class Unreachable(GrainError):
+    """Nobody who holds the key answers at an address."""
+
+
 ###############################################################################
 # Helpers #####################################################################
+
+
 ###############################################################################
+# Small pieces every later section may use: walltimes and durations, exceptions, the argv
+# that runs this file again, modules named in a config, files changed under a lock,
+# logging set up for a program that has not.
 
 _WALLTIME_RE = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]?\d):([0-5]?\d)$")
 
@@ -252,6 +290,19 @@ def format_walltime(seconds):
     h, s = divmod(s, 3600)
     m, s = divmod(s, 60)
     return f"{d}-{h:02d}:{m:02d}:{s:02d}" if d else f"{h:d}:{m:02d}:{s:02d}"
+
+
+def parse_duration(value, what):
+    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, a number, or ``[d-]hh:mm:ss``."""
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", value)
+        if m:
+            return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        return parse_walltime(value, what)
+    except ValueError:
+        raise ValueError(f"{what}: expected a duration such as 90s, 30m, 2h or hh:mm:ss, "
+                         f"got {value!r}") from None
 
 
 def add_note(exc, note):
@@ -373,12 +424,74 @@ async def open_background_nursery():
         await manager.__aexit__(None, None, None)
 
 
-def _hostname():
+def hostname():
+    """This host's short name."""
     return socket.gethostname().split(".")[0]
+
+
+def atomic_write(path, data, mode=0o600):
+    """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def flocked(path):
+    """Hold an exclusive flock on ``<path>.lock`` for the block: `up`, `down`, heads and
+    workers change the same small files (Edge records, job records) at once."""
+    import fcntl
+
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def log_tail(path, n=LOG_TAIL_LINES):
+    """The last ``n`` lines of a log file, indented, or why there are none."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()[-n:]
+    except OSError:
+        return f"(no log file at {path or 'an unknown place'})"
+    return "\n".join("    " + line for line in lines) or "    (the log is empty)"
+
+
+class _GrainFormatter(logging.Formatter):
+    def format(self, record):
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        if record.levelno >= logging.WARNING:
+            return f"grain {record.levelname}: {msg}"
+        return msg
+
+
+def _default_logging():
+    """Give grain's logger a readable handler, unless the application configured logging."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_GrainFormatter())
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
 
 
 ###############################################################################
 # Resources ###################################################################
+
+
 ###############################################################################
 # A resource object plays two roles: as a *request* it says what a job needs
 # (``Cores(3)``); as a *provider* it is what a worker still has free
@@ -636,6 +749,21 @@ class ResourceSet(Resource):
         return ResourceSet._of({k: copy.deepcopy(p, memo) for k, p in self.parts.items()})
 
 
+ZERO = ResourceSet()
+
+# The kinds the dict/TOML/JSON forms know, by name (filled in below, with Node).
+RESOURCE_TYPES = {}
+
+
+def register_resource(cls):
+    """Make a custom Resource subclass known to the dict form (``--res``, config). Returns
+    the class, so it works as a decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, Resource)):
+        raise TypeError(f"register_resource needs a Resource subclass, got {cls!r}")
+    RESOURCE_TYPES[cls.kind] = cls
+    return cls
+
+
 def _fmt_ids(ids):
     """``[0,1,2,5]`` -> ``"0-2,5"``."""
     out, i = [], 0
@@ -658,6 +786,22 @@ def _check_amount(value, what):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{what} must be a non-negative number, got {value!r}")
     return value
+
+
+def _part(res, kind):
+    """The part of ``res`` of the given kind, or None."""
+    if res.kind == kind:
+        return res
+    return res._parts().get(kind) if type(res) is ResourceSet else None
+
+
+###############################################################################
+# Resource kinds ##############################################################
+
+
+###############################################################################
+# The built-in kinds: Cores, Memory, Capacity, Token, WTime (whose providers count down
+# and learn the walltime of job groups), Node, and Reject, which grants nothing.
 
 
 class CoreIds(list):
@@ -945,7 +1089,6 @@ class _GroupTimes:
                      group, mean + 5 * sd, mean + 2 * sd, len(runs))
 
 
-
 def _hhmmss(seconds):
     s = max(0, int(seconds))
     return f"{s // 3600:02}:{s % 3600 // 60:02}:{s % 60:02}"
@@ -1103,51 +1246,17 @@ class Reject(Resource):
         return "N/A"
 
 
-ZERO = ResourceSet()
 ONE_INSTANCE = Capacity(-1)
 REJECT = Reject(ZERO)
 TIMESTAT_NSAMPLE = GROUP_SAMPLES  # upstream's name for it
+RESOURCE_TYPES.update({cls.kind: cls for cls in (Cores, Memory, WTime, Token, Capacity)},
+                      Node=Node)
 
-# The kinds the dict/TOML/JSON forms know, by name. register_resource() adds yours.
-RESOURCE_TYPES = {cls.kind: cls for cls in (Cores, Memory, WTime, Token, Capacity)}
-RESOURCE_TYPES["Node"] = Node
-
-
-def register_resource(cls):
-    """Make a custom Resource subclass known to the dict form (``--res``, config). Returns
-    the class, so it works as a decorator."""
-    if not (isinstance(cls, type) and issubclass(cls, Resource)):
-        raise TypeError(f"register_resource needs a Resource subclass, got {cls!r}")
-    RESOURCE_TYPES[cls.kind] = cls
-    return cls
-
-
-def _part(res, kind):
-    """The part of ``res`` of the given kind, or None."""
-    if res.kind == kind:
-        return res
-    return res._parts().get(kind) if type(res) is ResourceSet else None
-
-
-def _size_key(res):
-    """How large a provider is, for naming "the largest worker": (cores, memory)."""
-    c, m = _part(res, "Cores"), _part(res, "Memory")
-    return (c._total if c else 0, m._total if m else 0)
-
-
-def _same_request(a, b):
-    """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
-    it for many queued jobs."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if type(a) is Cores:
-        return a.N == b.N
-    return a == b
 
 ###############################################################################
 # Context #####################################################################
+
+
 ###############################################################################
 # What a running job or mission may ask about lives in ContextVars, never module
 # globals: trio copies the context into each task, so every job sees its own
@@ -1205,11 +1314,23 @@ def _current_executor(what):
 
 
 ###############################################################################
-# Frames ######################################################################
+# Wire protocol ###############################################################
+
+
 ###############################################################################
-# One frame format for every byte stream grain speaks over (pool pipes now, sockets
-# later): a 4-byte big-endian length, then the payload. The decoder is sans-I/O:
-# feed it bytes, take whole frames out; it never reads or writes anything itself.
+# Sans-I/O: nothing here reads or writes; the Transports below do. One frame format for
+# sockets and subprocess pipes: a 4-byte big-endian length, then the payload; the decoder
+# is fed bytes and hands out whole frames. Every connection starts with a mutual
+# HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
+# nothing is unpickled until both sides have proved they hold the key. Then each frame
+# holds one pickled message, a tuple ``(name, *fields)`` from the MESSAGES table, and
+# every receiver hands it to dispatch(). Job functions, arguments and results travel
+# inside messages as pickle or dill bytes, opened only by missions and workers.
+
+FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
+AUTH_MAGIC = b"GRAIN\x01\r\n"  # 8 bytes: protocol name and version
+AUTH_NONCE = 32                 # bytes of randomness each side contributes
+AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
 
 
 class FrameDecoder:
@@ -1247,45 +1368,6 @@ class FrameDecoder:
 
 def encode_frame(payload):
     return FRAME_HEADER.pack(len(payload)) + payload
-
-
-class FrameStream:
-    """A trio byte stream spoken in frames."""
-
-    def __init__(self, send_stream, receive_stream=None, max_frame=MAX_FRAME):
-        self.send_stream = send_stream
-        self.receive_stream = receive_stream if receive_stream is not None else send_stream
-        self._decoder = FrameDecoder(max_frame)
-        self._ready = deque()
-
-    async def send(self, payload):
-        await self.send_stream.send_all(encode_frame(payload))
-
-    async def receive(self):
-        """The next frame; ``None`` at a clean EOF; FrameError on a truncated one."""
-        while not self._ready:
-            data = await self.receive_stream.receive_some(1 << 16)
-            if not data:
-                if self._decoder.pending:
-                    raise FrameError(f"stream ended inside a frame "
-                                     f"({self._decoder.pending} bytes pending)")
-                return None
-            self._ready.extend(self._decoder.feed(data))
-        return self._ready.popleft()
-
-
-###############################################################################
-# Wire protocol ###############################################################
-###############################################################################
-# Sans-I/O pieces of the network protocol. Every connection starts with a mutual
-# HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
-# nothing is unpickled until both sides have proved they hold the key. Then both
-# sides speak frames; a frame holds one pickled control message, a tuple
-# ``(op, *args)``. Job functions and values travel inside those as dill bytes.
-
-AUTH_MAGIC = b"GRAIN\x01\r\n"  # 8 bytes: protocol name and version
-AUTH_NONCE = 32                 # bytes of randomness each side contributes
-AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
 
 
 class Handshake:
@@ -1401,6 +1483,16 @@ def dumps_job_value(obj, what):
         raise TypeError(f"{what} cannot be pickled: {e}") from None
 
 
+def loads_job_value(data):
+    return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
+
+
+NO_KWARGS = types.MappingProxyType({})
+
+
+NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _culprit(args, kwargs):
     """The first argument that cannot be pickled, for the error message."""
     for i, a in enumerate(args):
@@ -1416,15 +1508,483 @@ def _culprit(args, kwargs):
     return "an argument"
 
 
+# Every message: its fields (``[x]`` may be left out, ``*x`` takes any number) and who
+# sends it to whom. A message is the tuple ``(name, *fields)``.
+MESSAGES = {
+    # the first message of a connection, and the answers to it
+    "register": ("info",),                   # worker -> head: name, res, pid, host, job_id
+    "mission": ("info",),                    # mission -> head daemon: name, pid, host, ...
+    "cli": ("command", "*args"),             # CLI -> head
+    "assign": ("res",),                      # head -> a passive worker it dialled
+    "attached": ("info",),                   # head daemon -> mission: pid, host, log
+    "refused": ("why",),                     # head -> mission
+    "reply": ("reply",),                     # head -> CLI: a dict
+    # jobs
+    "fn": ("digest", "data", "[name]"),      # a job function, sent once per peer
+    "job": ("ref", "req", "digest", "payload"),          # mission -> head daemon
+    "run": ("jid", "digest", "payload", "alloc", "T"),   # head -> worker
+    "done": ("jid", "ok", "data", "duration", "[kind]"),  # worker -> head -> mission
+    "cancel": ("jid",),                      # head -> worker: nobody wants it any more
+    "cancelled": ("jid",),                   # worker -> head: it stopped
+    # lifetime
+    "ping": (),                              # both ways, every HEARTBEAT_S
+    "warn": ("text",),                       # head daemon -> mission: for its user
+    "fin": (),                               # head -> worker: leave after your jobs
+    "drain": (),                             # head -> worker: take no more, then leave
+    "leave": (),                             # head -> worker: stop your jobs and leave now
+    "leaving": ("why",),                     # worker -> head: re-queue what I run
+}
+# (fewest, most) fields of each message
+_ARITY = {name: (sum(1 for f in fields if f[0] not in "[*"),
+                 math.inf if any(f[0] == "*" for f in fields) else len(fields))
+          for name, fields in MESSAGES.items()}
+
+
+def dispatch(handlers, msg, peer="a peer"):
+    """Call the handler of ``msg`` (``handlers``: {name: callable}) with its fields, and
+    return what it returns. PeerError if ``msg`` is not a message of MESSAGES that this
+    receiver handles, with the number of fields the table gives it."""
+    try:
+        name, *fields = msg
+        handler = handlers[name]
+    except (TypeError, ValueError, KeyError):
+        raise PeerError(f"{peer} sent an unexpected message {msg!r:.60}") from None
+    low, high = _ARITY[name]
+    if not low <= len(fields) <= high:
+        raise PeerError(f"{peer} sent {name!r} with {len(fields)} field(s), expected "
+                        f"{', '.join(MESSAGES[name]) or 'none'}")
+    return handler(*fields)
+
+
 ###############################################################################
-# Channels and transports #####################################################
+# Transports ##################################################################
+
+
 ###############################################################################
 # URLs name where to meet: ``tcp://host:port`` (``tcp://:port`` to listen on every
-# interface), ``unix:///path`` and ``edge:///abs/path/file``. The Edge protocol lets
-# a head and its workers find each other through a file on the shared filesystem,
-# whichever starts first (see EdgeFile). A Channel is an authenticated stream
-# spoken in frames, with writes coalesced: messages queued while a write is in
-# flight go out together in the next one.
+# interface), ``unix:///path`` and ``edge:///abs/path/file``. serve(url, key, handler)
+# and connect(url, key) do the same for each scheme -- a peer that passed the handshake,
+# as a trio stream -- so no caller branches on the scheme. The Edge protocol lets a head
+# and its workers find each other through a file on the shared filesystem, whichever
+# starts first (see EdgeFile). A Channel speaks messages over a stream, coalescing its
+# writes; open_channel() runs one for a block, with its writer, heartbeats and watchdog.
+
+
+class FrameStream:
+    """A trio byte stream spoken in frames."""
+
+    def __init__(self, send_stream, receive_stream=None, max_frame=MAX_FRAME):
+        self.send_stream = send_stream
+        self.receive_stream = receive_stream if receive_stream is not None else send_stream
+        self._decoder = FrameDecoder(max_frame)
+        self._ready = deque()
+
+    async def send(self, payload):
+        await self.send_stream.send_all(encode_frame(payload))
+
+    async def receive(self):
+        """The next frame; ``None`` at a clean EOF; FrameError on a truncated one."""
+        while not self._ready:
+            data = await self.receive_stream.receive_some(1 << 16)
+            if not data:
+                if self._decoder.pending:
+                    raise FrameError(f"stream ended inside a frame "
+                                     f"({self._decoder.pending} bytes pending)")
+                return None
+            self._ready.extend(self._decoder.feed(data))
+        return self._ready.popleft()
+
+
+def parse_url(url):
+    """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
+    m = re.match(r"^([a-z]+)://(.*)$", url or "")
+    if not m:
+        raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
+                         "unix:///path or edge:///abs/path")
+    scheme, rest = m.groups()
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
+        return scheme, host.strip("[]"), int(port)
+    if scheme in ("unix", "edge"):
+        if not rest.startswith("/"):
+            raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
+                             f"({scheme}:///abs/path)")
+        return scheme, "", rest
+    raise ValueError(f"unsupported address scheme {scheme!r} in {url!r} "
+                     "(use tcp://, unix:// or edge://)")
+
+
+def _ipv4_addresses():
+    """``{interface: ipv4}`` for the interfaces of this host that have one."""
+    out = {}
+    try:
+        import fcntl
+
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                         struct.pack("256s", name[:15].encode()))
+                    out[name] = socket.inet_ntoa(packed[20:24])
+                except OSError:
+                    pass
+        finally:
+            s.close()
+    except Exception:  # pragma: no cover - not Linux
+        pass
+    if not out:
+        out["lo"] = "127.0.0.1"
+    return out
+
+
+async def open_listeners(url):
+    """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them."""
+    scheme, host, where = parse_url(url)
+    if scheme == "tcp":
+        listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
+        port = listeners[0].socket.getsockname()[1]
+        if host and host != "0.0.0.0":
+            return listeners, {"tcp": f"tcp://{host}:{port}"}
+        return listeners, {iface: f"tcp://{ip}:{port}" for iface, ip in _ipv4_addresses().items()}
+    if scheme == "unix":
+        return [await _unix_listener(where)], {"unix": url}
+    raise ValueError(f"cannot listen on {url!r} directly")
+
+
+async def _unix_listener(path):
+    """A Unix socket listener at ``path``; a stale socket file (no one listening) is removed."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # left by a process that died: nobody answers
+        else:
+            raise GrainError(f"another process already listens on unix://{path}")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)  # the socket file is ours alone
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return trio.SocketListener(sock)
+
+
+async def _receive_exactly(stream, n):
+    buf = bytearray()
+    while len(buf) < n:
+        data = await stream.receive_some(n - len(buf))
+        if not data:
+            raise AuthenticationError("the peer closed the connection during the handshake")
+        buf += data
+    return bytes(buf)
+
+
+async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
+    """Run the handshake on a fresh stream; raises AuthenticationError if it fails."""
+    hs = Handshake(key, dialer)
+    with trio.move_on_after(timeout) as scope:
+        await stream.send_all(hs.hello())
+        peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
+        await stream.send_all(hs.proof(peer_hello))
+        hs.verify(await _receive_exactly(stream, AUTH_PROOF))
+    if scope.cancelled_caught:
+        raise AuthenticationError(f"no handshake within {timeout:g} s")
+
+
+def _peer_name(stream):
+    try:
+        addr = stream.socket.getpeername()
+    except (AttributeError, OSError):
+        return "?"
+    if isinstance(addr, tuple):
+        return f"{addr[0]}:{addr[1]}"
+    return f"unix:{addr}" if addr else "a local Unix socket"
+
+
+class EdgeFile:
+    """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``,
+    mode 0600, changed only under flocked().
+
+    The listener (a head) records ``host``, ``lid``, ``pid``, ``heartbeat`` (Unix time,
+    refreshed every EDGE_HEARTBEAT_S) and ``urls`` ({interface: url}); a dialer (a worker)
+    that finds no live listener records where it listens and waits to be called."""
+
+    def __init__(self, path):
+        self.path = os.path.abspath(path)
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            raise UsageError(f"Edge file {self.path}: directory {d} does not exist")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UsageError(f"Edge file {self.path}: directory {d} is not writable")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the lock; yields the current content (a dict) and writes back changes."""
+        with flocked(self.path):
+            data = self._read()
+            before = json.dumps(data, sort_keys=True)
+            yield data
+            if json.dumps(data, sort_keys=True) != before:
+                atomic_write(self.path, json.dumps(data, indent=1).encode())
+
+    def _read(self):
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {"listener": None, "dialer": []}
+        try:
+            data = json.loads(raw) if raw.strip() else None
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            data.setdefault("listener", None)
+            if not isinstance(data.get("dialer"), list):
+                data["dialer"] = []
+            return data
+        except ValueError as e:
+            log.warning("Edge file %s is corrupt (%s); starting it afresh", self.path, e)
+            return {"listener": None, "dialer": []}
+
+    @staticmethod
+    def live(record):
+        """Is a listener record fresh? (A head that died leaves a stale heartbeat.)"""
+        if not isinstance(record, dict) or not isinstance(record.get("urls"), dict):
+            return False
+        beat = record.get("heartbeat")
+        if not isinstance(beat, (int, float)) or time.time() - beat > EDGE_STALE_S:
+            return False
+        if record.get("host") == hostname() and isinstance(record.get("pid"), int):
+            try:
+                os.kill(record["pid"], 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+        return True
+
+
+def _order_urls(record):
+    """A record's URLs, a Unix socket first when the record is from this host."""
+    urls = list(record.get("urls", {}).values())
+    same_host = record.get("host") == hostname()
+    return sorted(urls, key=lambda u: (not (same_host and u.startswith("unix:")),
+                                       not u.startswith("tcp://127.")))
+
+
+def _edge_socket_path(edge_path, tag):
+    """A Unix socket path beside the Edge file; falls back to /tmp when too long."""
+    path = f"{edge_path}.{tag}.sock"
+    if len(path.encode()) > 100:
+        import tempfile
+
+        path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
+    return path
+
+
+async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
+    """The first authenticated stream among ``urls`` (we dial); Unreachable if none."""
+    why = "no address to try"
+    for url in urls:
+        if url.startswith("unix:") and not os.path.exists(parse_url(url)[2]):
+            why = f"{url} does not exist"
+            continue
+        with trio.move_on_after(timeout) as attempt:
+            try:
+                scheme, host, where = parse_url(url)
+                stream = await (trio.open_tcp_stream(host or "127.0.0.1", where)
+                                if scheme == "tcp" else trio.open_unix_socket(where))
+            except OSError as e:
+                why = f"{e.strerror or e}"
+                continue
+            try:
+                await authenticate(stream, key, dialer=True)
+                return stream
+            except (AuthenticationError, OSError, trio.BrokenResourceError) as e:
+                why = f"{e}"
+                await stream.aclose()
+        if attempt.cancelled_caught:
+            why = f"no answer within {timeout:g} s"
+    raise Unreachable(why)
+
+
+async def accept_one(listeners, key):
+    """The first incoming stream on ``listeners`` that passes the handshake (we listen).
+
+    Not trio.serve_listeners: it closes each stream when its handler returns, and this
+    stream must outlive the accept loop."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def accept_from(listener):
+        while True:
+            stream = await listener.accept()
+            try:
+                await authenticate(stream, key, dialer=False)
+            except (PeerError, OSError, trio.BrokenResourceError) as e:
+                log.warning("refused a connection from %s: %s", _peer_name(stream), e)
+                await stream.aclose()
+                continue
+            try:
+                send.send_nowait(stream)
+            except trio.WouldBlock:
+                await stream.aclose()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(accept_from, listener)
+            stream = await receive.receive()
+            nursery.cancel_scope.cancel()
+        return stream
+    finally:
+        with trio.CancelScope(shield=True):  # closed even when the wait was cancelled
+            for listener in listeners:
+                await listener.aclose()
+
+
+async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
+    """Accept peers at ``url`` until cancelled: each stream that passes the handshake goes
+    to ``handler(stream, peer)`` in a task of its own, and is closed when it returns.
+    started() with the URLs peers can use ({interface: url}) once they can connect; for an
+    Edge file, once its record is written (a live head's record there is a GrainError)."""
+    async def on_accept(stream):
+        peer = _peer_name(stream)
+        try:
+            await authenticate(stream, key, dialer=False)
+        except (PeerError, OSError, trio.BrokenResourceError) as e:
+            log.warning("refused a connection from %s: %s", peer, e)
+            await stream.aclose()
+            return
+        await handler(stream, peer)
+
+    scheme, _, where = parse_url(url)
+    if scheme == "edge":
+        await _serve_edge(where, key, on_accept, handler, task_status)
+        return
+    listeners, urls = await open_listeners(url)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, on_accept, listeners)
+            task_status.started(urls)
+    finally:
+        if scheme == "unix":  # our socket file: nobody is to find it after us
+            with contextlib.suppress(OSError):
+                os.unlink(where)
+
+
+async def _serve_edge(path, key, on_accept, handler, task_status):
+    """serve() for an Edge file: listen on a free TCP port and a Unix socket beside the
+    file, keep our record in it fresh, and call the workers waiting in it."""
+    edge = EdgeFile(path)
+    lid = os.urandom(8).hex()
+    sock_path = _edge_socket_path(path, f"head-{lid}")
+    tcp, urls = await open_listeners("tcp://:0")
+    unix = await _unix_listener(sock_path)
+    urls["unix"] = f"unix://{sock_path}"
+    record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
+
+    async def call(dialer):
+        try:
+            stream = await _try_connect(_order_urls(dialer), key)
+        except Unreachable as e:
+            log.warning("could not reach the waiting worker at %s (%s); it will retry",
+                        ", ".join(_order_urls(dialer)) or "(no address)", e)
+            return
+        async with stream:
+            await handler(stream, _order_urls(dialer)[0])
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, on_accept, tcp + [unix])
+            first = True
+            while True:
+                with edge.locked() as data:
+                    current = data["listener"]
+                    if first and EdgeFile.live(current):
+                        raise GrainError(
+                            f"a head is already listening at edge://{path} (pid "
+                            f"{current.get('pid')} on {current.get('host')}); stop it first")
+                    if current and (current.get("lid") != lid):
+                        log.warning("Edge file %s: %s", path, "replacing the stale record of "
+                                    f"pid {current.get('pid')} on {current.get('host')}"
+                                    if first else "our record was replaced; re-adding it")
+                    pending, data["dialer"] = data["dialer"], []
+                    data["listener"] = dict(record, heartbeat=time.time())
+                for dialer in pending:
+                    nursery.start_soon(call, dialer)
+                if first:
+                    task_status.started(urls)
+                    first = False
+                await trio.sleep(EDGE_HEARTBEAT_S)
+    finally:
+        with contextlib.suppress(OSError):
+            with edge.locked() as data:
+                if (data["listener"] or {}).get("lid") == lid:
+                    data["listener"] = None
+        with contextlib.suppress(OSError):
+            os.unlink(sock_path)
+
+
+async def connect(url, key, *, wait=False):
+    """An authenticated stream to the listener at ``url`` (we dial); Unreachable if none
+    answers. For an Edge file, the listener it records; with ``wait``, while it records
+    none that answers, record where we listen and wait to be called."""
+    scheme, _, where = parse_url(url)
+    if scheme != "edge":
+        return await _try_connect([url], key)
+    edge = EdgeFile(where)
+    while True:
+        with edge.locked() as data:
+            record = data["listener"]
+        if EdgeFile.live(record):
+            try:
+                return await _try_connect(_order_urls(record), key)
+            except Unreachable:
+                if not wait:
+                    raise
+            log.warning("the head recorded in %s does not answer; waiting for one", where)
+        elif not wait:
+            raise Unreachable(f"no live head is recorded in {where}")
+        elif record:
+            log.warning("Edge file %s holds a stale head record (pid %s on %s); waiting for "
+                        "a live head", where, record.get("pid"), record.get("host"))
+        stream = await _wait_to_be_called(edge, record, key)
+        if stream is not None:
+            return stream
+
+
+async def _wait_to_be_called(edge, seen, key):
+    """Record in the Edge file where we listen and wait for a head to call; None if a live
+    head other than ``seen`` appeared meanwhile (connect to it instead)."""
+    did = os.urandom(8).hex()
+    sock_path = _edge_socket_path(edge.path, f"worker-{did}")
+    tcp, urls = await open_listeners("tcp://:0")
+    unix = await _unix_listener(sock_path)
+    urls["unix"] = f"unix://{sock_path}"
+    try:
+        with edge.locked() as data:
+            if EdgeFile.live(data["listener"]) and data["listener"] != seen:
+                return None
+            data["dialer"].append({"host": hostname(), "did": did, "pid": os.getpid(),
+                                   "urls": urls})
+        log.info("waiting for a head to call (recorded in %s)", edge.path)
+        return await accept_one(tcp + [unix], key)
+    finally:
+        with trio.CancelScope(shield=True):
+            for listener in tcp + [unix]:
+                await listener.aclose()
+        with contextlib.suppress(OSError):
+            os.unlink(sock_path)
+        with contextlib.suppress(OSError):
+            with edge.locked() as data:
+                data["dialer"] = [d for d in data["dialer"]
+                                  if not (isinstance(d, dict) and d.get("did") == did)]
 
 
 class Channel:
@@ -1440,6 +2000,8 @@ class Channel:
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
         self.last_heard = trio.current_time()
+        self.silent_after = None      # seconds of silence open_channel's watchdog allows
+        self.silent = False           # set when the watchdog gave up on the peer
 
     def send(self, msg):
         """Queue a control message; the writer task sends it with whatever else is queued."""
@@ -1513,267 +2075,56 @@ class Channel:
             await self.stream.aclose()
 
 
-async def _receive_exactly(stream, n):
-    buf = bytearray()
-    while len(buf) < n:
-        data = await stream.receive_some(n - len(buf))
-        if not data:
-            raise AuthenticationError("the peer closed the connection during the handshake")
-        buf += data
-    return bytes(buf)
-
-
-async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
-    """Run the handshake on a fresh stream; raises AuthenticationError if it fails."""
-    hs = Handshake(key, dialer)
-    with trio.move_on_after(timeout) as scope:
-        await stream.send_all(hs.hello())
-        peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
-        await stream.send_all(hs.proof(peer_hello))
-        hs.verify(await _receive_exactly(stream, AUTH_PROOF))
-    if scope.cancelled_caught:
-        raise AuthenticationError(f"no handshake within {timeout:g} s")
-
-
-def parse_url(url):
-    """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
-    m = re.match(r"^([a-z]+)://(.*)$", url or "")
-    if not m:
-        raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
-                         "unix:///path or edge:///abs/path")
-    scheme, rest = m.groups()
-    if scheme == "tcp":
-        host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
-        return scheme, host.strip("[]"), int(port)
-    if scheme in ("unix", "edge"):
-        if not rest.startswith("/"):
-            raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
-                             f"({scheme}:///abs/path)")
-        return scheme, "", rest
-    raise ValueError(f"unsupported address scheme {scheme!r} in {url!r} "
-                     "(use tcp://, unix:// or edge://)")
-
-
-def _ipv4_addresses():
-    """``{interface: ipv4}`` for the interfaces of this host that have one."""
-    out = {}
-    try:
-        import fcntl
-
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            for _, name in socket.if_nameindex():
-                try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                         struct.pack("256s", name[:15].encode()))
-                    out[name] = socket.inet_ntoa(packed[20:24])
-                except OSError:
-                    pass
-        finally:
-            s.close()
-    except Exception:  # pragma: no cover - not Linux
-        pass
-    if not out:
-        out["lo"] = "127.0.0.1"
-    return out
-
-
-async def open_stream(url):
-    """Connect to a tcp:// or unix:// URL."""
-    scheme, host, where = parse_url(url)
-    if scheme == "tcp":
-        return await trio.open_tcp_stream(host or "127.0.0.1", where)
-    if scheme == "unix":
-        return await trio.open_unix_socket(where)
-    raise ValueError(f"cannot connect to {url!r} directly")
-
-
-async def open_listeners(url):
-    """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them."""
-    scheme, host, where = parse_url(url)
-    if scheme == "tcp":
-        listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
-        port = listeners[0].socket.getsockname()[1]
-        if host and host != "0.0.0.0":
-            return listeners, {"tcp": f"tcp://{host}:{port}"}
-        return listeners, {iface: f"tcp://{ip}:{port}" for iface, ip in _ipv4_addresses().items()}
-    if scheme == "unix":
-        return [await _unix_listener(where)], {"unix": url}
-    raise ValueError(f"cannot listen on {url!r} directly")
-
-
-async def _unix_listener(path):
-    """A Unix socket listener at ``path``; a stale socket file (no one listening) is removed."""
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # left by a process that died: nobody answers
-        else:
-            raise GrainError(f"another process already listens on unix://{path}")
-        finally:
-            probe.close()
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o077)  # the socket file is ours alone
-    try:
-        await sock.bind(path)
-    finally:
-        os.umask(old)
-    sock.listen(128)
-    return trio.SocketListener(sock)
-
-
-class EdgeFile:
-    """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``,
-    mode 0600, changed only under an exclusive flock on ``<file>.lock``.
-
-    The listener (a head) records ``host``, ``lid``, ``pid``, ``heartbeat`` (Unix time,
-    refreshed every EDGE_HEARTBEAT_S) and ``urls`` ({interface: url}); a dialer (a worker
-    or CLI) that finds no live listener records where it listens and waits to be called."""
-
-    def __init__(self, path):
-        self.path = os.path.abspath(path)
-        d = os.path.dirname(self.path)
-        if not os.path.isdir(d):
-            raise UsageError(f"Edge file {self.path}: directory {d} does not exist")
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise UsageError(f"Edge file {self.path}: directory {d} is not writable")
-
-    @contextlib.contextmanager
-    def locked(self):
-        """Hold the lock; yields the current content (a dict) and writes back changes."""
-        import fcntl
-
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            data = self._read()
-            before = json.dumps(data, sort_keys=True)
-            yield data
-            if json.dumps(data, sort_keys=True) != before:
-                atomic_write(self.path, json.dumps(data, indent=1).encode())
-        finally:
-            os.close(fd)  # closing releases the flock
-
-    def _read(self):
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return {"listener": None, "dialer": []}
-        try:
-            data = json.loads(raw) if raw.strip() else None
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
-            data.setdefault("listener", None)
-            if not isinstance(data.get("dialer"), list):
-                data["dialer"] = []
-            return data
-        except ValueError as e:
-            log.warning("Edge file %s is corrupt (%s); starting it afresh", self.path, e)
-            return {"listener": None, "dialer": []}
-
-    @staticmethod
-    def live(record):
-        """Is a listener record fresh? (A head that died leaves a stale heartbeat.)"""
-        if not isinstance(record, dict) or not isinstance(record.get("urls"), dict):
-            return False
-        beat = record.get("heartbeat")
-        if not isinstance(beat, (int, float)) or time.time() - beat > EDGE_STALE_S:
-            return False
-        if record.get("host") == _hostname() and isinstance(record.get("pid"), int):
-            try:
-                os.kill(record["pid"], 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        return True
-
-
-def atomic_write(path, data, mode=0o600):
-    """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _order_urls(record):
-    """A record's URLs, a Unix socket first when the record is from this host."""
-    urls = list(record.get("urls", {}).values())
-    same_host = record.get("host") == _hostname()
-    return sorted(urls, key=lambda u: (not (same_host and u.startswith("unix:")),
-                                       not u.startswith("tcp://127.")))
-
-
-async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
-    """The first authenticated stream among ``urls`` (we dial), or None."""
-    for url in urls:
-        if url.startswith("unix:") and not os.path.exists(parse_url(url)[2]):
-            continue
-        with trio.move_on_after(timeout):
-            try:
-                stream = await open_stream(url)
-            except (OSError, ValueError):
-                continue
-            try:
-                await authenticate(stream, key, dialer=True)
-                return stream
-            except (AuthenticationError, OSError, trio.BrokenResourceError):
-                await stream.aclose()
-    return None
-
-
-def _peer_name(stream):
-    try:
-        addr = stream.socket.getpeername()
-    except (AttributeError, OSError):
-        return "?"
-    if isinstance(addr, tuple):
-        return f"{addr[0]}:{addr[1]}"
-    return f"unix:{addr}" if addr else "a local Unix socket"
-
-
 async def _send_heartbeats(channel):
     while True:
         await trio.sleep(HEARTBEAT_S)
         channel.send(("ping",))
 
 
-async def _watch_silence(channel, on_silent, limit=SILENT_S):
-    """Call ``on_silent()`` once the peer has sent nothing for ``limit`` seconds. (One task
-    per connection, rather than a cancel scope around every receive: the per-message path
-    stays short.)"""
+async def _watch_silence(channel, scope):
+    """Cancel ``scope`` once the peer has sent nothing for ``channel.silent_after`` seconds
+    (None: it may be silent), marking the channel ``silent``. (One task per connection,
+    rather than a cancel scope around every receive: the per-message path stays short.)"""
     while True:
+        limit = channel.silent_after
         quiet = trio.current_time() - channel.last_heard
-        if quiet >= limit:
-            on_silent()
+        if limit is not None and quiet >= limit:
+            channel.silent = True
+            scope.cancel()
             return
-        await trio.sleep(limit - quiet)
+        await trio.sleep(HEARTBEAT_S if limit is None else limit - quiet)
 
 
-def _edge_socket_path(edge_path, tag):
-    """A Unix socket path beside the Edge file; falls back to /tmp when too long."""
-    path = f"{edge_path}.{tag}.sock"
-    if len(path.encode()) > 100:
-        import tempfile
-
-        path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
-    return path
+@contextlib.asynccontextmanager
+async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
+                       silent_after=SILENT_S):
+    """A Channel over ``stream`` for the block: its writer runs; with ``heartbeat`` a ping
+    goes out every HEARTBEAT_S; when the peer has sent nothing for ``channel.silent_after``
+    seconds (None: no limit; the block may change it) the block is cancelled and
+    ``channel.silent`` set. On the way out, what was queued goes out (FLUSH_S at most)
+    and the stream is closed. An exception of the block comes out as itself."""
+    channel = Channel(stream, max_frame, peer)
+    channel.silent_after = silent_after
+    try:
+        async with open_background_nursery() as nursery:
+            nursery.start_soon(channel.run_writer)
+            if heartbeat:
+                nursery.start_soon(_send_heartbeats, channel)
+            with trio.CancelScope() as body:
+                nursery.start_soon(_watch_silence, channel, body)
+                yield channel
+            channel.close_after_flush()
+            with trio.move_on_after(FLUSH_S):
+                await channel.flushed.wait()
+    finally:
+        with trio.CancelScope(shield=True):
+            await channel.aclose()
 
 
 ###############################################################################
 # Subprocess pool #############################################################
+
+
 ###############################################################################
 # @subprocify runs a sync, CPU-bound function in a separate Python process so it
 # neither holds the GIL nor blocks the trio loop. Pool processes are this same file
@@ -1782,7 +2133,8 @@ def _edge_socket_path(edge_path, tag):
 #
 # Pipes: the parent writes job frames to the child's stdin and reads results from a
 # private pipe (fd passed to the child), so that whatever the job prints goes to
-# the inherited stdout/stderr as the user expects.
+# the inherited stdout/stderr as the user expects. Each child leads a process group of
+# its own, and is stopped with the whole group: a program a job started goes with it.
 
 
 def _child_die_with_parent():
@@ -1864,17 +2216,17 @@ class _PoolProcess:
 
 
 async def _stop_process(process, grace=KILL_GRACE_S):
-    """SIGTERM, a grace period, SIGKILL; always reaped. Shielded: runs even when cancelled."""
+    """SIGTERM to its process group, a grace period, SIGKILL to the group; always reaped.
+    Shielded: runs even when cancelled. (The group outlives its leader: it is signalled
+    even when the leader has exited already.)"""
     with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-            with trio.move_on_after(grace):
-                await process.wait()
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 with contextlib.suppress(Exception):
@@ -1904,7 +2256,8 @@ class SubprocessPool:
         r, w = os.pipe()
         try:
             process = await trio.lowlevel.open_process(
-                self_argv("_subproc", str(w)), stdin=subprocess.PIPE, pass_fds=(w,))
+                self_argv("_subproc", str(w)), stdin=subprocess.PIPE, pass_fds=(w,),
+                start_new_session=True)  # its process group: see _stop_process
         finally:
             os.close(w)
         frames = FrameStream(process.stdin, trio.lowlevel.FdStream(r))
@@ -1945,16 +2298,21 @@ class SubprocessPool:
         add_note(exc, f"Traceback in pool process {child.process.pid}:\n{tb.rstrip()}")
         raise exc
 
+    def statistics(self):
+        """PoolStatistics: the pids of its processes, how many are idle, the limit."""
+        return PoolStatistics(sorted(c.process.pid for c in self._all), len(self._idle),
+                              self.limit)
+
     async def _reap_idle(self):
         while True:
-            await trio.sleep(min(self.idle_s, 5.0))
+            await trio.sleep(min(self.idle_s, SUBPROC_REAP_S))
             cutoff = trio.current_time() - self.idle_s
             keep = [c for c in self._idle if c.idle_since > cutoff]
             old = [c for c in self._idle if c.idle_since <= cutoff]
             self._idle[:] = keep
             for child in old:
-                self._all.discard(child)
                 await child.kill()
+                self._all.discard(child)  # (after: statistics() shows it until it is gone)
 
     async def aclose(self):
         children, self._all, self._idle = list(self._all), set(), []
@@ -1965,6 +2323,9 @@ class SubprocessPool:
                     await child.process.stdin.aclose()
             for child in children:
                 await child.kill()
+
+
+PoolStatistics = namedtuple("PoolStatistics", "pids idle limit")
 
 
 @contextlib.asynccontextmanager
@@ -2034,41 +2395,769 @@ def subprocify(fn):
 
 
 ###############################################################################
-# Workers #####################################################################
+# Config ######################################################################
+
+
 ###############################################################################
-# A worker, as the executor sees it: a name, the resources it has free (``res``,
-# a provider the executor allocates from), a total for display, and ``start(job)``,
-# which must launch the job without blocking and later report exactly once through
-# ``executor._job_ended``. The local worker runs jobs as tasks in the mission's own
-# process; remote workers (next section to come) implement the same surface.
+# grain.toml, parsed into frozen dataclasses: top-level keys may be overridden in
+# [head] or [worker], and [script] key by key in [head.script] or [worker.script];
+# ``Config.role("worker")`` gives the merged view. Upstream Grain's files are read as
+# they are ([head.gnaw], specialized_type, custom_system.directory); a key grain.py
+# does not know is still an error naming the file and the key.
+
+class ConfigError(UsageError):
+    """grain.toml is malformed, or a key has the wrong type or value."""
+
+
+def _want_str(v):
+    if not isinstance(v, str):
+        raise TypeError("a string")
+    return v
+
+
+def _want_bool(v):
+    if not isinstance(v, bool):
+        raise TypeError("true or false")
+    return v
+
+
+def _want_positive_int(v):
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise TypeError("a positive whole number")
+    return v
+
+
+def _want_count(v):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TypeError("a whole number >= 0")
+    return v
+
+
+def _want_gb(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise TypeError("a number of GB >= 0 (0: do not ask)")
+    return v
+
+
+def _want_walltime(v):
+    if v == "":
+        return v  # do not ask the batch system for a walltime
+    try:
+        parse_walltime(v)
+    except ValueError:
+        raise TypeError("a walltime [d-]hh:mm:ss (\"\": do not ask)") from None
+    return v if isinstance(v, str) else format_walltime(v)
+
+
+def _want_queue(v):
+    # upstream's examples write queue = "''" for "the default queue"
+    return "" if _want_str(v) in ("''", '""') else v
+
+
+def _want_duration(v):
+    try:
+        return parse_duration(v, "duration")
+    except ValueError:
+        raise TypeError("a duration such as 90s, 30m or 2h") from None
+
+
+def _want_str_list(v):
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise TypeError("a list of strings")
+    return tuple(v)
+
+
+BATCH_SYSTEMS = ("slurm", "pbs", "custom")  # the keys of SYSTEMS (Cluster, below)
+
+
+def _want_system(v):
+    if v not in BATCH_SYSTEMS and v != "":
+        raise TypeError(f"one of {', '.join(map(repr, BATCH_SYSTEMS))} (or \"\" for none)")
+    return v
+
+
+def _want_resources(v):
+    if not isinstance(v, dict):
+        raise TypeError("a table of resources, e.g. { Token = { token = \"gpu\" } }")
+    try:
+        Resource.from_dict(v)
+    except ValueError as e:
+        raise TypeError(f"resources in the dict form ({e})") from None
+    return dict(v)
+
+
+@dataclass(frozen=True)
+class ScriptSettings:
+    """What a job script asks of the batch system, and how it sets up and cleans up."""
+    shebang: str = "#!/bin/bash"
+    queue: str = ""
+    walltime: str = ""   # "", 0: do not ask the batch system for it (its default applies)
+    cores: int = 0
+    memory: float = 0    # GB
+    extra_args: tuple = ()
+    setup_cleanup: str = ""
+    python: str = ""  # "" = the interpreter running `up`
+
+
+@dataclass(frozen=True)
+class CustomSystem:
+    submit_cmd: str = ""
+    directive: str = "#$"
+    template: str = ""
+    status_cmd: str = ""   # + job id; exit 0 while the job is queued or running
+    cancel_cmd: str = ""   # + job id
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """The merged settings of one role (head or worker)."""
+    role: str
+    system: str = ""
+    address: str = ""
+    auth_key: str = ""
+    contextmod: str = ""
+    name: str = ""
+    log_file: str = ""
+    script: ScriptSettings = field(default_factory=ScriptSettings)
+    custom_system: CustomSystem = field(default_factory=CustomSystem)
+    # [head]; log_file there is where the mission's local worker prints
+    main_log_file: str = ""       # the head job's log (`start`)
+    listen: str = ""
+    cmd: str = ""
+    idle_quit: float = 1800.0
+    swarm: int = 0
+    swarm_quota: int = 0          # submissions per swarm_window; 0 = 2 x swarm
+    swarm_window: float = 600.0
+    gnaw_enabled: bool = True     # [head.gnaw] enabled: missions share a head daemon
+    daemon_log: str = "grain-head-{{HHMMSS}}.log"   # [head.gnaw] log_file
+    max_missions: int = 8         # [head.gnaw] max_conn
+    daemon_extra_args: tuple = ()  # [head.gnaw] extra_args: flags of upstream's Go daemon
+    # [worker]
+    dial: str = ""
+    cli_dial: str = ""
+    res: dict = field(default_factory=dict)
+    specialized_type: str = ""    # a module: see the specialized workers in the README
+
+
+_COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
+                "contextmod": _want_str}
+
+
+_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
+                "cores": _want_count, "memory": _want_gb,
+                "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
+
+
+_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str,
+                "status_cmd": _want_str, "cancel_cmd": _want_str,
+                "directory": _want_str}  # upstream's name for directive
+
+
+# [head.gnaw], upstream's Go daemon, as our head daemon: key -> RoleSettings field
+_GNAW_KEYS = {"enabled": ("gnaw_enabled", _want_bool), "log_file": ("daemon_log", _want_str),
+              "max_conn": ("max_missions", _want_positive_int),
+              "idle_quit": ("idle_quit", _want_duration), "swarm": ("swarm", _want_count),
+              "extra_args": ("daemon_extra_args", _want_str_list)}
+
+
+_ROLE_KEYS = {
+    "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
+             "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
+             "swarm": _want_count, "swarm_quota": _want_count,
+             "swarm_window": _want_duration},
+    "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
+               "cli_dial": _want_str, "res": _want_resources,
+               "specialized_type": _want_str},
+}
+
+
+_ROLE_DEFAULTS = {
+    "head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
+    "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
+}
+
+
+def default_address():
+    return f"edge://{os.path.join(os.path.expanduser('~'), '.local', 'share', 'edge-file-default')}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """A parsed grain.toml (or the defaults). ``path`` is None for the defaults."""
+    path: str = None
+    raw: dict = field(default_factory=dict)
+
+    def role(self, role):
+        """The settings of ``role`` ("head" or "worker"), every override applied."""
+        top, sect = self.raw, self.raw.get(role, {})
+        values = dict(_ROLE_DEFAULTS[role])
+        for key in _COMMON_KEYS:
+            if key in sect:
+                values[key] = sect[key]
+            elif key in top:
+                values[key] = top[key]
+        values.update({_GNAW_KEYS[k][0]: v for k, v in sect.get("gnaw", {}).items()
+                       if v != ""})  # ([head.gnaw] log_file = "": our default file)
+        values.update({k: v for k, v in sect.items() if k in _ROLE_KEYS[role]})
+        script = {**top.get("script", {}), **sect.get("script", {})}
+        values["script"] = ScriptSettings(**script)
+        custom = dict(top.get("custom_system", {}))
+        directory = custom.pop("directory", None)
+        values["custom_system"] = CustomSystem(**custom) if directory is None or \
+            "directive" in custom else CustomSystem(directive=directory, **custom)
+        for key in ("address", "auth_key", "contextmod", "listen", "dial", "cli_dial",
+                    "log_file", "main_log_file", "daemon_log"):
+            if isinstance(values.get(key), str):  # "$HOME/..." and "~/..." mean what they say
+                values[key] = os.path.expanduser(os.path.expandvars(values[key]))
+        s = RoleSettings(role=role, **values)
+        address = s.address or default_address()
+        dial = s.dial or address
+        s = replace(s, address=address, listen=s.listen or address, dial=dial,
+                    cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path())
+        if not s.script.python:
+            s = replace(s, script=replace(s.script, python=sys.executable))
+        return s
+
+
+def _check_table(data, schema, where, path, sub=()):
+    out = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key in sub:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: [{name}] must be a table")
+            continue
+        check = schema.get(key)
+        if check is None:
+            known = sorted(list(schema) + list(sub))
+            raise ConfigError(f"{path}: unknown key {name!r} (known here: {', '.join(known)})")
+        try:
+            out[key] = check(value)
+        except TypeError as e:
+            raise ConfigError(f"{path}: {name}: expected {e}, got {value!r}") from None
+    return out
+
+
+def parse_config(text, path="grain.toml"):
+    """A Config from TOML text; ConfigError names the file, the key (or line and column)
+    and what was expected."""
+    if tomllib is None:
+        raise ConfigError(f"{path}: reading TOML on Python < 3.11 needs tomli "
+                          "(`python -m pip install tomli`, or use grain.pyz)")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    raw = _check_table(data, _COMMON_KEYS, "", path,
+                       sub=("script", "custom_system", "head", "worker"))
+    if "script" in data:
+        raw["script"] = _check_table(data["script"], _SCRIPT_KEYS, "script", path)
+    if "custom_system" in data:
+        raw["custom_system"] = _check_table(data["custom_system"], _CUSTOM_KEYS,
+                                            "custom_system", path)
+    for role in ("head", "worker"):
+        if role in data:
+            subs = ("script", "gnaw") if role == "head" else ("script",)
+            sect = _check_table(data[role], {**_COMMON_KEYS, **_ROLE_KEYS[role]}, role, path,
+                                sub=subs)
+            if "script" in data[role]:
+                sect["script"] = _check_table(data[role]["script"], _SCRIPT_KEYS,
+                                              f"{role}.script", path)
+            if "gnaw" in data[role]:
+                sect["gnaw"] = _check_table(data[role]["gnaw"],
+                                            {k: check for k, (_, check) in _GNAW_KEYS.items()},
+                                            "head.gnaw", path)
+            raw[role] = sect
+    return Config(path=path, raw=raw)
+
+
+def find_config_path(config_file=None):
+    """``-c PATH``, else $GRAIN_CONFIG, else ./grain.toml; None when none exists."""
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"config file {config_file} does not exist")
+        return os.path.abspath(config_file)
+    env = os.environ.get("GRAIN_CONFIG")
+    if env:
+        if not os.path.isfile(env):
+            raise ConfigError(f"GRAIN_CONFIG={env}: no such file")
+        return os.path.abspath(env)
+    return os.path.abspath("grain.toml") if os.path.isfile("grain.toml") else None
+
+
+def load_config(config_file=None):
+    """The config for ``config_file`` (a path, None to look for one, False for defaults)."""
+    if config_file is False:
+        log.info("Config file is disabled, using default settings.")
+        return Config()
+    path = find_config_path(config_file)
+    if path is None:
+        log.info("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
+        return Config()
+    with open(path, encoding="utf-8") as f:
+        return parse_config(f.read(), path)
+
+
+###############################################################################
+# Cluster #####################################################################
+
+
+###############################################################################
+# The batch systems, as data: SYSTEMS holds, for each, the job script's directives, how
+# to submit, cancel and ask about jobs, how a job learns its id and when its allocation
+# ends. render_script() is pure; submit_script() runs the submission and checks what it
+# says. Every submitted job is recorded in a small JSON file beside the Edge file
+# (JobBook), so `ls` and `down` find them even after a head crashed. A query that fails
+# means UNKNOWN, never ENDED: a busy controller must not make live jobs look dead.
+
+ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody could say
+
+
+def _pbs_walltime(seconds):
+    s = int(seconds)
+    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _slurm_lines(s, name, log):
+    return [f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
+            *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
+            *([f"--mem={max(1, int(s.memory * 1024))}M"] if s.memory else []),
+            *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
+            *([f"-o {log}"] if log else [])]
+
+
+def _pbs_lines(s, name, log):
+    return [f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
+            f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
+            *([f"-l walltime={_pbs_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
+            *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
+            "-j oe", *([f"-o {log}"] if log else [])]
+
+
+def _query(argv):
+    return subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+
+
+def _slurm_states(ids, custom=None):
+    cp = _query(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"])
+    if cp.returncode != 0:  # squeue refuses a lone id it does not know; else it failed
+        return dict.fromkeys(ids, ENDED if "Invalid job id" in cp.stderr else UNKNOWN)
+    listed = dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
+    return {i: listed.get(i, ENDED) for i in ids}
+
+
+def _pbs_state(job_id):
+    cp = _query(["qstat", "-f", job_id])
+    if cp.returncode == 153 or "Unknown Job" in cp.stderr:  # PBS's "no such job"
+        return ENDED
+    m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
+    if cp.returncode != 0 or not m:
+        return UNKNOWN
+    state = m.group(1)
+    return ENDED if state in ("C", "F") else {"Q": "PENDING", "R": "RUNNING",
+                                              "H": "HELD"}.get(state, state)
+
+
+def _custom_states(ids, custom):
+    if custom is None or not custom.status_cmd:  # nothing to ask: pending until it joins
+        return dict.fromkeys(ids, UNKNOWN)
+    cmd = shlex.split(custom.status_cmd)  # exits 0 while the job is queued or running
+    return {i: "ALIVE" if subprocess.run(cmd + [i], capture_output=True,
+                                         timeout=BATCH_QUERY_S).returncode == 0 else ENDED
+            for i in ids}
+
+
+def _slurm_time_left(job_id):
+    cp = _query(["squeue", "-h", "-j", job_id, "-o", "%e"])
+    end = cp.stdout.strip()
+    if cp.returncode == 0 and re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", end):
+        return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - time.time()
+    return None
+
+
+def _pbs_time_left(job_id):
+    m = re.search(r"Walltime\.Remaining\s*=\s*(\d+)", _query(["qstat", "-f", job_id]).stdout)
+    return float(m.group(1)) if m else None
+
+
+def parse_ids(text):
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
+    ids = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def _slurm_cpu_ids(job_id):
+    """The cores Slurm allocated to this job on this node (``scontrol show job -d``:
+    CPU_IDs, in Slurm's numbering, which matches the OS's on most nodes), or None."""
+    out = _query(["scontrol", "show", "job", "-d", job_id]).stdout
+    node = os.environ.get("SLURMD_NODENAME") or hostname()
+    for nodes, ids in re.findall(r"Nodes=(\S+) CPU_IDs=([\d,-]+)", out):
+        if nodes == node or len(re.findall(r"Nodes=", out)) == 1:
+            return parse_ids(ids)
+    return None
+
+
+def _custom_submit(s):
+    if not s.custom_system.submit_cmd:
+        raise ConfigError("system = \"custom\" needs custom_system.submit_cmd")
+    return shlex.split(s.custom_system.submit_cmd)
+
+
+# The batch systems, every command and format each needs. job_id_env: the variable that
+# tells a job its id (a custom template exports GRAIN_JOB_ID: first, as it names the
+# submission grain made). states(ids, custom) -> {id: state}; time_left(id) -> seconds.
+SYSTEMS = {
+    "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
+               "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
+               "states": _custom_states, "time_left": None, "cpu_ids": None,
+               "job_id_env": "GRAIN_JOB_ID", "hint": "check custom_system.submit_cmd"},
+    "slurm": {"directive": "#SBATCH", "lines": _slurm_lines, "prologue": "",
+              "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
+              "states": _slurm_states, "time_left": _slurm_time_left,
+              "cpu_ids": _slurm_cpu_ids, "job_id_env": "SLURM_JOB_ID",
+              "hint": "is this a Slurm login node?"},
+    "pbs": {"directive": "#PBS", "lines": _pbs_lines, "prologue": "cd \"$PBS_O_WORKDIR\"",
+            "submit": lambda s: ["qsub"], "cancel": lambda c: ["qdel"],
+            "states": lambda ids, custom=None: {i: _pbs_state(i) for i in ids},
+            "time_left": _pbs_time_left, "cpu_ids": None, "job_id_env": "PBS_JOBID",
+            "hint": "is this a PBS/Torque login node?"},
+}
+assert set(SYSTEMS) == set(BATCH_SYSTEMS)
+
+
+def batch_job():
+    """(system, job id) of the batch job this process runs in, or (None, None)."""
+    for system, spec in SYSTEMS.items():
+        if os.environ.get(spec["job_id_env"]):
+            return system, os.environ[spec["job_id_env"]]
+    return None, None
+
+
+def allocation_end():
+    """Seconds left in this batch job's allocation, asked of the batch system; None outside
+    a batch job or when it cannot tell."""
+    system, job = batch_job()
+    time_left = SYSTEMS[system]["time_left"] if system else None
+    try:
+        return time_left(job) if time_left else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def batch_cpu_ids(allowed):
+    """The cores the batch system gave this job, when its cpuset does not say so.
+
+    Under Slurm with TaskPlugin=task/none nothing is bound: every job's cpuset is the whole
+    node, and two workers on one node would both offer core 0. The batch system still
+    knows which cores it allocated to each job. Used only when the cpuset is the whole
+    node; None when there is nothing better to say."""
+    system, job = batch_job()
+    cpu_ids = SYSTEMS[system]["cpu_ids"] if system else None
+    if not cpu_ids or len(allowed) != (os.cpu_count() or 0):
+        return None
+    try:
+        return [i for i in cpu_ids(job) or () if i in set(allowed)] or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def batch_states(system, ids, custom=None):
+    """``{job id: state}`` for each of ``ids``: what the batch system says, ENDED for a job
+    it does not know (any more), UNKNOWN when it could not be asked. A custom system is
+    asked through ``custom.status_cmd`` (exit 0: alive), if it has one."""
+    if not ids:
+        return {}
+    spec = SYSTEMS.get(system)
+    try:
+        return spec["states"](ids, custom) if spec else dict.fromkeys(ids, UNKNOWN)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not ask the batch system about job(s) %s: %s", ", ".join(ids), e)
+        return dict.fromkeys(ids, UNKNOWN)
+
+
+def cancel_argv(system, custom):
+    """The command that cancels a job of ``system`` (the id is appended), or None."""
+    spec = SYSTEMS.get(system)
+    return spec["cancel"](custom) if spec else None
+
+
+def _stamp(text, when, seq=0):
+    """``text`` with ``{{HHMMSS}}`` as the time ``when``; the ``seq``-th submission of the same
+    second (``up -n 100``) gets a suffix, so that names and logs stay distinct."""
+    return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when))
+                        + (f"-{seq}" if seq else ""))
+
+
+def _setup_and_cleanup(text):
+    """(setup lines, cleanup lines in the order they must run)."""
+    setup, cleanup = [], []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("defer "):
+            cleanup.insert(0, stripped[len("defer "):])
+        else:
+            setup.append(stripped)
+    return setup, cleanup
+
+
+def worker_resources(s):
+    """The dict form of what a worker of settings ``s`` offers: cores, memory x 14/15 and
+    walltime minus LEAVE_BEFORE_S as a countdown, each only if the script asks for it
+    (else the worker offers what it finds), merged with ``worker.res``."""
+    res = {}
+    if s.script.cores:
+        res["Cores"] = {"N": s.script.cores}
+    if s.script.memory:
+        res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
+    if s.script.walltime:
+        left = max(60, parse_walltime(s.script.walltime) - LEAVE_BEFORE_S)
+        res["WTime"] = {"T": format_walltime(left), "countdown": True}
+    if "Node" in s.res:  # upstream's form: Cores and Memory in one
+        res.pop("Cores", None)
+        res.pop("Memory", None)
+    res.update(s.res)
+    return res
+
+
+def specialized_module(s):
+    """The module of ``worker.specialized_type`` and whether it is backendless, or
+    (None, False) when the config names none."""
+    if not s.specialized_type:
+        return None, False
+    module = load_module(s.specialized_type, "worker.specialized_type")
+    config = getattr(module, "GRAIN_SWORKER_CONFIG", None)
+    if not isinstance(config, dict):
+        raise ConfigError(f"worker.specialized_type {s.specialized_type}: the module has no "
+                          "GRAIN_SWORKER_CONFIG dict")
+    return module, bool(config.get("BACKENDLESS"))
+
+
+def backendless_workers(s):
+    """``[(module, resources)]`` for a backendless specialized worker type (it runs in the
+    mission: there is no worker process to start), else []."""
+    module, backendless = specialized_module(s)
+    return [(module, Resource.from_dict(worker_resources(s)))] if backendless else []
+
+
+def worker_command(s, grain_path=None):
+    """The worker line of a worker job script: the same grain.py under ``script.python``,
+    offering worker_resources(s)."""
+    argv = boot_argv(s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
+                     "--res", json.dumps(worker_resources(s), separators=(",", ":")))
+    if s.contextmod:
+        argv += ["--context", os.path.abspath(s.contextmod)]
+    if s.specialized_type:
+        argv += ["--sworker", s.specialized_type]
+    if s.auth_key:
+        argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _template_fields(s, name, log_file, setup, cleanup, directive):
+    """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...)."""
+    script = types.SimpleNamespace(
+        **{f: getattr(s.script, f) for f in ScriptSettings.__dataclass_fields__},
+        extra_args_str="\n".join(f"{directive} {a}" for a in s.script.extra_args),
+        setup="\n".join(setup), cleanup="\n".join(cleanup),
+        res_str=json.dumps(worker_resources(s)))
+    fields = {f: getattr(s, f) for f in RoleSettings.__dataclass_fields__}
+    return types.SimpleNamespace(**dict(fields, name=name, log_file=log_file, script=script))
+
+
+def render_script(s, main, when=None, seq=0):
+    """The job script for role settings ``s`` running the shell command ``main``: its
+    system's, or ``custom_system.template`` when there is one (with ``system`` "custom",
+    or, as upstream, any other system it then stands in for)."""
+    when = time.time() if when is None else when
+    name = _stamp(s.name, when, seq)
+    log_file = os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else ""
+    setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
+    body = []
+    if cleanup:
+        # Deferred lines run in reverse order when the script exits, even when the worker
+        # failed or the batch system sent SIGTERM (turned into a normal exit by the trap).
+        body += ["grain_cleanup() {", *[f"  {c}" for c in cleanup], "}",
+                 "trap grain_cleanup EXIT", "trap 'exit 143' TERM INT"]
+    body = "\n".join(body + setup + [main])
+    spec = SYSTEMS.get(s.system)
+    if s.custom_system.template or (spec and spec["lines"] is None):
+        return _render_template(s, body, name, log_file, setup, cleanup, when, seq)
+    if spec is None:  # no batch system: the script alone, to read (`up --dry`)
+        return f"{s.script.shebang}\n{body}\n"
+    d = spec["directive"]
+    lines = [s.script.shebang]
+    lines += [f"{d} {x}" for x in spec["lines"](s.script, name, log_file)]
+    lines += [f"{d} {x}" for x in s.script.extra_args]
+    if spec["prologue"]:
+        lines.append(spec["prologue"])
+    return "\n".join(lines + [body]) + "\n"
+
+
+def _render_template(s, body, name, log_file, setup, cleanup, when, seq):
+    c = s.custom_system
+    if not c.template:
+        raise ConfigError("system = \"custom\" needs custom_system.template")
+    template = _stamp(c.template, when, seq)
+    # upstream's {{MAIN}}: our body, its braces escaped for the format below
+    template = template.replace("{{MAIN}}", body.replace("{", "{{").replace("}", "}}"))
+    directives = [f"{c.directive} {a}" for a in s.script.extra_args]
+    try:
+        return template.format(
+            name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
+            walltime=s.script.walltime, log_file=log_file, directives="\n".join(directives),
+            main=body, c=_template_fields(s, name, log_file, setup, cleanup, c.directive))
+    except (KeyError, AttributeError, IndexError, ValueError) as e:
+        raise ConfigError(f"custom_system.template: cannot fill it in: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+class JobBook:
+    """The jobs grain submitted for one address: JSON lines in a file beside the Edge file
+    (or in ~/.local/share/grain for tcp/unix addresses), changed under flocked() because
+    `up`, `down` and heads write it concurrently."""
+
+    def __init__(self, address):
+        scheme, host, where = parse_url(address)
+        if scheme == "edge":
+            self.path = where + ".jobs"
+        else:
+            tag = hashlib.sha1(address.encode()).hexdigest()[:12]
+            self.path = os.path.join(os.path.dirname(default_key_path()), f"jobs-{tag}")
+
+    def records(self):
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+        except ValueError as e:
+            log.warning("job records %s are corrupt (%s); ignoring them", self.path, e)
+            return []
+
+    def add(self, record):
+        self.update(lambda records: records + [record])
+
+    def update(self, change):
+        """Rewrite the records through ``change(records) -> records``."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with flocked(self.path):
+            records = self.records()
+            new = change(records)
+            if new != records:
+                atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in new).encode())
+
+    def mark_joined(self, job_id):
+        self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
+
+    def waiting(self):
+        """Worker jobs whose worker has not joined (yet)."""
+        return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
+
+
+def _run_command(argv, what, hint):
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=SUBMIT_S)
+    except FileNotFoundError:
+        raise GrainError(f"{argv[0]}: command not found — {hint} set system = ... in "
+                         "grain.toml") from None
+    if cp.returncode != 0:
+        msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
+        raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
+    return cp.stdout
+
+
+def _submit_argv(s):
+    """The command that submits a job script of settings ``s``."""
+    c = s.custom_system
+    if c.template and c.submit_cmd:  # upstream: a template of one's own, and its command
+        return shlex.split(c.submit_cmd)
+    if s.system not in SYSTEMS:
+        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
+                          "\"custom\" in grain.toml")
+    return SYSTEMS[s.system]["submit"](s)
+
+
+def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
+    """Submit ``script`` to the batch system of role settings ``s``; returns the batch job
+    id, recorded in the JobBook of the address."""
+    when = time.time() if when is None else when
+    argv = _submit_argv(s)
+    scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
+    os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+                                     f"-{os.urandom(3).hex()}.sh")
+    atomic_write(path, script.encode(), mode=0o700)
+    out = _run_command(argv + list(extra_args) + [path], "submission",
+                       SYSTEMS[s.system]["hint"])
+    batch_id = (out.strip().split() or ["?"])[-1].split(";")[0]
+    JobBook(s.dial if role == "worker" else s.listen).add({
+        "id": batch_id, "system": s.system, "role": role, "name": _stamp(s.name, when, seq),
+        "log": os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else "",
+        "script": path, "submitted": when})
+    return batch_id
+
+
+###############################################################################
+# Workers #####################################################################
+
+
+###############################################################################
+# A worker, as a head sees it: a name, the resources it has free (``res``, a provider
+# the Scheduler allocates from; a worker without WTime gets an unlimited one, so timed
+# jobs run there too), a total for display, and ``start(job)``, which launches the job
+# without blocking. It reports back to its owner (an Executor, or the head daemon)
+# through this protocol, exactly once per job it started:
+#
+#   owner.job_ended(job, value, error, duration)              a local job ended
+#   owner.job_reported(job, ok, data, duration, kind, name)   a remote one (pickled)
+#   owner.job_interrupted(job, kind, why)                     its worker went away
+#   owner.job_cancelled(job)                                  cancelled, as asked
+#
+# and asks ``owner.function_bytes(fn)`` for a job function to send. LocalWorker runs
+# jobs as tasks of this process; RemoteWorker is a worker process at the other end of a
+# Channel; SpecializedWorker runs here the jobs of a worker process that keeps a server.
+
+
+# Failure classes a job can be retried for, kept apart in counters and messages.
+RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
+RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
+RETRY_LOST = "worker lost"               # its connection closed or went silent
+RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
+
+
+def failure_class(error):
+    """How a job that raised ``error`` failed, for counts and messages (not retried)."""
+    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
 
 
 class Worker:
-    """The executor's view of a worker."""
+    """A head's view of a worker."""
 
-    def __init__(self, executor, res, name):
-        self.executor = executor
+    where = "local"   # where it runs, for `ls`
+    job_id = None     # its batch job, if any
+    channel = None    # the connection to its process, if it has one
+
+    def __init__(self, owner, res, name):
+        self.owner = owner
         self.name = name
         self.offered = res             # as the worker offered it, for messages
         if _part(res, "WTime") is None:  # no time limit: it runs timed jobs too
             res = res & WTime()
         self.res = res.copy()          # free resources; allocation mutates this copy
         self.total = res.copy()        # for display, and to tell what could ever fit
-        for provider in (self.res, self.total):  # one executor, one estimate per WTime group
-            _part(provider, "WTime")._groups = executor.group_times
         self.running = 0
         self.accepting = True          # False once told to drain (quit) or retiring
         self.reserved_for = None       # a long-blocked job: no other job starts here
 
-    def fits(self, req):
-        return self.accepting and self.res.request(req)
-
     def start(self, job):
         raise NotImplementedError
-
-    where = "local"   # where it runs, for `ls`
-    job_id = None     # its batch job, if any
-    channel = None    # the connection to its process, if it has one
 
     def status(self):
         return "up" if self.accepting else "draining"
@@ -2081,6 +3170,10 @@ class Worker:
 WorkerStatistics = namedtuple("WorkerStatistics",
                               "name free total running status where job_id")
 WorkerStatistics.__doc__ = "A worker at one moment; free/total are ``Resource.stat()`` dicts."
+
+
+def _ignore(*args):
+    """The handler of messages that need no answer (``ping``)."""
 
 
 def _local_provider(rpw):
@@ -2108,9 +3201,9 @@ class LocalWorker(Worker):
     ``in_order``, jobs start in the order given, each running up to its first pause
     before the next begins: upstream Grain guaranteed that order for resource-less calls."""
 
-    def __init__(self, executor, res, name, nursery, context=None, output=None,
+    def __init__(self, owner, res, name, nursery, context=None, output=None,
                  in_order=False):
-        super().__init__(executor, _local_provider(res), name)
+        super().__init__(owner, _local_provider(res), name)
         self._nursery = nursery
         self.context = context
         self.output = output
@@ -2154,7 +3247,7 @@ class LocalWorker(Worker):
             self._report(job, value, None, trio.current_time() - started)
 
     def _report(self, job, value, error, duration):
-        self.executor._job_ended(job, value, error, duration)
+        self.owner.job_ended(job, value, error, duration)
 
 
 class _RoutedStream:
@@ -2189,20 +3282,12 @@ def _routed_job_output(path):
         yield f
 
 
-NO_KWARGS = types.MappingProxyType({})
-NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads_job_value(data):
-    return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
-
-
 class RemoteWorker(Worker):
     """A worker process on the other end of a Channel. Functions are sent once per worker
     (by digest); after that a job costs one small frame each way."""
 
-    def __init__(self, executor, res, name, channel, pid=None, host=None, job_id=None):
-        super().__init__(executor, res, name)
+    def __init__(self, owner, res, name, channel, pid=None, host=None, job_id=None):
+        super().__init__(owner, res, name)
         self.job_id = job_id
         self.channel = channel
         self.pid = pid
@@ -2211,9 +3296,13 @@ class RemoteWorker(Worker):
         self.known_functions = set()
         self.leaving = None         # why it announced it leaves, if it did
 
+    @property
+    def where(self):
+        return f"pid {self.pid} on {self.host}"
+
     def _send_function(self, fn, *extra):
         """Send ``fn`` unless the peer has it already; returns its digest."""
-        digest, fn_bytes = self.executor._function_bytes(fn)
+        digest, fn_bytes = self.owner.function_bytes(fn)
         if digest not in self.known_functions:
             self.known_functions.add(digest)
             self.channel.send(("fn", digest, fn_bytes, *extra))
@@ -2226,32 +3315,13 @@ class RemoteWorker(Worker):
 
     def message_handlers(self):
         """What this peer may send, by message name."""
-        return {"done": self.on_done, "leaving": self.on_leaving, "ping": lambda: None,
+        return {"done": self.on_done, "leaving": self.on_leaving, "ping": _ignore,
                 "cancelled": self.on_cancelled}
 
     def on_done(self, jid, ok, data, duration, kind=None):
         job = self.jobs.pop(jid, None)
-        if job is None:
-            return
-        if self.executor.opaque:  # a head daemon passes results on to missions unopened
-            self.executor._job_ended(job, (ok, data, kind), None, duration)
-            return
-        try:
-            value = loads_job_value(data)
-        except Exception as e:
-            ok, value = False, (GrainError(f"the result of job {job.name} could not be "
-                                           f"unpickled here: {e}"), "")
-        if ok:
-            self.executor._job_ended(job, value, None, duration)
-        else:
-            exc, tb = value
-            if tb:
-                add_note(exc, f"Traceback on worker {self.name}:\n{tb.rstrip()}")
-            self.executor._job_ended(job, None, exc, duration)
-
-    @property
-    def where(self):
-        return f"pid {self.pid} on {self.host}"
+        if job is not None:
+            self.owner.job_reported(job, ok, data, duration, kind, self.name)
 
     def status(self):
         return "leaving" if self.leaving else super().status()
@@ -2265,7 +3335,7 @@ class RemoteWorker(Worker):
     def on_cancelled(self, jid):
         job = self.jobs.pop(jid, None)
         if job is not None:
-            self.executor._job_cancelled(job)
+            self.owner.job_cancelled(job)
 
     def on_leaving(self, why):
         self.leaving, self.accepting = why, False
@@ -2274,26 +3344,7 @@ class RemoteWorker(Worker):
     def interrupt_all(self, kind, why):
         jobs, self.jobs = list(self.jobs.values()), {}
         for job in jobs:
-            self.executor._job_interrupted(job, kind, why)
-
-
-class HeadLink(RemoteWorker):
-    """A mission's connection to a head daemon, which its executor sees as one worker that
-    takes every job: it forwards the job's request and pickled bytes, and the daemon picks
-    the real worker. Results come back as they would from a worker."""
-
-    def __init__(self, executor, channel, info):
-        super().__init__(executor, ZERO, "head", channel, info.get("pid"), info.get("host"))
-        self.log_file = info.get("log") or "(unknown)"
-
-    def start(self, job):
-        digest = self._send_function(job.fn, _callable_name(job.fn))
-        self.jobs[job.id] = job
-        self.channel.send(("job", job.id, job.req, digest, job.payload))
-
-    def message_handlers(self):
-        return {"done": self.on_done, "ping": lambda: None,
-                "warn": lambda text: log.warning("%s", text)}
+            self.owner.job_interrupted(job, kind, why)
 
 
 class SpecializedWorker(LocalWorker):
@@ -2304,8 +3355,8 @@ class SpecializedWorker(LocalWorker):
 
     where = property(lambda self: f"pid {self.pid} on {self.host} (specialized)")
 
-    def __init__(self, executor, res, name, nursery, context, channel, pid, host, job_id):
-        super().__init__(executor, res, name, nursery, context)
+    def __init__(self, owner, res, name, nursery, context, channel, pid, host, job_id):
+        super().__init__(owner, res, name, nursery, context)
         self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
         self.jobs = {}       # job id -> (Job, its cancel scope)
         self.leaving = None
@@ -2320,10 +3371,10 @@ class SpecializedWorker(LocalWorker):
 
     def _report(self, job, value, error, duration):
         if self.jobs.pop(job.id, None) is not None:  # else interrupted already
-            self.executor._job_ended(job, value, error, duration)
+            self.owner.job_ended(job, value, error, duration)
 
     def message_handlers(self):
-        return {"ping": lambda: None, "leaving": self.on_leaving}
+        return {"ping": _ignore, "leaving": self.on_leaving}
 
     on_leaving = RemoteWorker.on_leaving
 
@@ -2334,12 +3385,702 @@ class SpecializedWorker(LocalWorker):
         jobs, self.jobs = list(self.jobs.values()), {}
         for job, scope in jobs:
             scope.cancel()
-            self.executor._job_interrupted(job, kind, why)
+            self.owner.job_interrupted(job, kind, why)
+
+
+###############################################################################
+# Scheduler ###################################################################
+
+
+###############################################################################
+# The queue policy, synchronous and free of I/O: which job starts on which worker, and
+# when. It sees jobs only through their attributes (queue, req, group, state, attempts,
+# alloc, worker, T) and starts one by ``worker.start(job)``, which never blocks; it reads
+# time through a clock it is given, so tests can drive it without trio.
+
+
+class JobQueue:
+    """The jobs of one mission waiting for resources, oldest first. An executor running a
+    mission in-process has one; a head daemon has one per attached mission."""
+
+    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
+                 "reserved", "run")
+
+    def __init__(self, name, prioritized=False):
+        self.jobs = deque()
+        self.name = name
+        self.prioritized = prioritized
+        self.blocked_job = None      # the head job while it fits no worker, and since when
+        self.blocked_since = 0.0
+        self.warned_at = -math.inf
+        self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
+        self.run = 0                 # jobs right behind the first known to ask the same
+
+    def unreserve(self):
+        """Give up the worker held for the blocked job (it started, or the queue is gone)."""
+        w = self.reserved
+        if w is not None:
+            self.reserved = None
+            if w.reserved_for is self.blocked_job:
+                w.reserved_for = None
+
+    def warn(self, message):
+        """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
+        log.warning("%s", message)
+
+
+def _now():
+    """trio's clock inside a run (so MockClock tests see it), the monotonic clock outside."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+def _size_key(res):
+    """How large a provider is, for naming "the largest worker": (cores, memory)."""
+    c, m = _part(res, "Cores"), _part(res, "Memory")
+    return (c._total if c else 0, m._total if m else 0)
+
+
+def _same_request(a, b):
+    """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
+    it for many queued jobs."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is Cores:
+        return a.N == b.N
+    return a == b
+
+
+SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
+SchedulerStatistics.__doc__ = "The queues and workers of a Scheduler at one moment."
+
+
+class Scheduler:
+    """Starts queued jobs on workers whose free resources can be allocated to them.
+
+    Within a queue (one per mission): first come, first served, with backfill. The oldest
+    job goes to the first worker that can allocate its request. When no worker can, later
+    jobs (up to BACKFILL_DEPTH behind it) that fit somewhere now start ahead of it, so a
+    large job does not leave cores idle behind it. So that the large job cannot starve,
+    once it has waited RESERVE_AFTER_S it reserves one worker (among those large enough,
+    the one with the most free): no other job starts there until it does, whichever
+    mission it comes from.
+
+    Between queues (the missions of a head daemon): those ``prioritized`` first; among
+    equals, one job per queue per round, and each pump starts its rounds one queue further
+    along, so a small mission is never stuck behind a large one's backlog.
+
+    The queues are looked at again (``pump()``) whenever a job is pushed, a worker joins
+    or an allocation comes back. The workers share one set of WTime group estimates."""
+
+    def __init__(self, clock=_now):
+        self.workers = []
+        self.queues = []
+        self.n_queued = 0
+        self.group_times = _GroupTimes()
+        self.clock = clock
+
+    # -- workers and queues -------------------------------------------------------
+    def add_worker(self, w):
+        for provider in (w.res, w.total):
+            wt = _part(provider, "WTime")
+            if wt is not None:
+                wt._groups = self.group_times
+        self.workers.append(w)
+        self.pump()
+
+    def remove_worker(self, w):
+        if w in self.workers:
+            self.workers.remove(w)
+
+    def add_queue(self, queue):
+        self.queues.append(queue)
+
+    def remove_queue(self, queue):
+        """Forget a queue (its mission has gone); returns the jobs it still held."""
+        self.queues.remove(queue)
+        return self.take_queued(queue)
+
+    def take_queued(self, queue):
+        """Every job waiting in ``queue``, taken out."""
+        jobs = list(queue.jobs)
+        queue.jobs.clear()
+        self.n_queued -= len(jobs)
+        queue.unreserve()
+        queue.run = 0
+        return jobs
+
+    # -- jobs -----------------------------------------------------------------------
+    def push(self, job):
+        """Queue a job (it has a request: jobs without one run at once, not here)."""
+        jobs = job.queue.jobs
+        jobs.append(job)
+        self.n_queued += 1
+        if len(jobs) == 1:
+            self.pump()
+        elif not _same_request(job.req, jobs[0].req):
+            self._backfill(job.queue, 1, len(jobs) - 1)  # behind a blocked job, it may fit
+
+    def push_front(self, job):
+        """Queue a job again ahead of the others (a retry: it came before them)."""
+        job.queue.jobs.appendleft(job)
+        job.queue.run = 0
+        self.n_queued += 1
+
+    def launch(self, job, w):
+        """Allocate ``job`` its request on ``w`` and start it there."""
+        job.state = "running"
+        job.attempts += 1
+        job.alloc = w.res._take(job.req)
+        if job.group is not None:
+            job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
+        job.worker = w
+        w.running += 1
+        w.start(job)
+
+    def release(self, job, ok=False):
+        """Give a job's allocation back to its worker, which it returns (only a run that
+        succeeded teaches its WTime group how long the group's runs take)."""
+        w, alloc = job.worker, job.alloc
+        w.running -= 1
+        job.alloc = None
+        if alloc is not ZERO:
+            if not ok and job.group is not None:
+                _part(alloc, "WTime")._since = None
+            w.res.dealloc(alloc)
+        return w
+
+    # -- the policy -----------------------------------------------------------------
+    def pump(self):
+        """Start queued jobs on workers that can allocate them (see the class)."""
+        queues = self.queues
+        if len(queues) <= 1:
+            if queues:
+                self._start_from(queues[0], -1)
+            return
+        while self.n_queued:
+            started = False
+            for tier in (True, False):
+                for q in queues:
+                    if q.jobs and q.prioritized is tier and self._start_from(q, 1):
+                        started = True
+                if started:
+                    break  # back to the prioritized tier: what started may have freed nothing
+            if not started:
+                break
+        queues.append(queues.pop(0))
+
+    def _start_from(self, queue, limit):
+        """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
+        (backfill) later ones that fit while the oldest waits; returns how many started."""
+        jobs, workers = queue.jobs, self.workers
+        started = 0
+        while jobs and started != limit:
+            job = jobs[0]
+            req = job.req
+            for w in workers:
+                if w.accepting and w.res.request(req) and (
+                        w.reserved_for is None or w.reserved_for is job):
+                    break
+            else:
+                if queue.blocked_job is not job:
+                    if queue.reserved is not None:
+                        queue.unreserve()
+                    queue.blocked_job = job
+                    queue.blocked_since = self.clock()
+                else:
+                    self._reserve_if_starving(queue, job)
+                if len(jobs) > queue.run + 1:
+                    started += self._backfill(queue, limit - started if limit > 0 else -1)
+                return started
+            jobs.popleft()
+            if queue.run:
+                queue.run -= 1
+            if queue.reserved is not None:
+                queue.unreserve()
+            self.n_queued -= 1
+            # launch(job, w), inlined: this is the per-job hot path
+            job.state = "running"
+            job.attempts += 1
+            job.alloc = w.res._take(req)
+            if job.group is not None:
+                job.T = _part(job.alloc, "WTime").T
+            job.worker = w
+            w.running += 1
+            w.start(job)
+            started += 1
+        return started
+
+    def _reserve_if_starving(self, queue, job):
+        """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
+        once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
+        w = queue.reserved
+        if w is not None and w.reserved_for is job and w.accepting and w in self.workers:
+            return
+        if self.clock() - queue.blocked_since < RESERVE_AFTER_S:
+            return
+        queue.reserved = None
+        could = [w for w in self.workers
+                 if w.accepting and w.reserved_for is None and w.total.request(job.req)]
+        if could:  # the one with the most free now: probably the first to have enough
+            w = max(could, key=lambda w: _size_key(w.res))
+            w.reserved_for = job
+            queue.reserved = w
+            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job "
+                     "until it starts", job.name, self.clock() - queue.blocked_since,
+                     job.req, w.name)
+
+    def _backfill(self, queue, limit, first=None):
+        """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
+        ``queue`` that fit a worker now (or only ``jobs[first:]``, for a new job).
+
+        ``queue.run`` counts the jobs right behind the head that ask for the same as it:
+        they cannot fit either, and each is compared once as the run grows, so a long queue
+        of identical jobs costs nothing per completion. Behind the run, at most
+        BACKFILL_DEPTH jobs are looked at; those asking for the same as one found not to fit
+        in this pass are skipped without a look at the workers."""
+        jobs = queue.jobs
+        head_req = jobs[0].req
+        n = len(jobs)
+        if first is None:
+            i = queue.run + 1
+            while i < n and _same_request(jobs[i].req, head_req):
+                i += 1
+            queue.run = i - 1
+            stop = min(n, i + BACKFILL_DEPTH)
+        else:
+            i, stop = first, n
+        failed = [head_req]
+        started = 0
+        while i < stop and started != limit:
+            job = jobs[i]
+            req = job.req
+            for f in failed:
+                if _same_request(req, f):
+                    break
+            else:
+                for w in self.workers:
+                    if w.accepting and w.reserved_for is None and w.res.request(req):
+                        del jobs[i]
+                        stop -= 1
+                        self.n_queued -= 1
+                        self.launch(job, w)
+                        started += 1
+                        break
+                else:
+                    failed.append(req)
+                    i += 1
+                continue
+            i += 1
+        return started
+
+    # -- watching -------------------------------------------------------------------
+    def stuck(self):
+        """``[(queue, warning)]`` for each queue whose oldest job has fitted no worker for
+        STUCK_WARN_S, again every STUCK_REPEAT_S while that lasts."""
+        now, out = self.clock(), []
+        for q in self.queues:
+            waited = now - q.blocked_since
+            if not (q.jobs and q.jobs[0] is q.blocked_job) or waited < STUCK_WARN_S \
+                    or now - q.warned_at < STUCK_REPEAT_S:
+                continue
+            q.warned_at = now
+            if self.workers:
+                big = max(self.workers, key=lambda w: _size_key(w.total))
+                where = f"the largest worker is {big.name} with {big.offered!r}"
+            else:
+                where = ("no worker has joined yet (give run() local=..., or start workers "
+                         "with `python grain.py up`)")
+            out.append((q, f"job {q.blocked_job.name} requesting {q.blocked_job.req!r} has "
+                           f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
+                           "job(s) queued"))
+        return out
+
+    def statistics(self):
+        heads = [q.jobs[0] for q in self.queues if q.jobs]
+        return SchedulerStatistics(self.n_queued, sum(w.running for w in self.workers),
+                                   [w.statistics() for w in self.workers],
+                                   min(heads, key=lambda j: j.id).req if heads else None)
+
+
+###############################################################################
+# Head service ################################################################
+
+
+###############################################################################
+# Where workers and CLI clients reach a head -- a mission's own, or the head daemon --
+# at its address: the first message of a connection says who it is. A registered
+# worker is served until it leaves or is lost, and its running jobs go back to its
+# owner as interrupted; CLI commands are answered from a table of handlers. The owner
+# (an Executor, or the HeadDaemon) keeps the Scheduler and answers the worker protocol
+# (see Workers), plus: add_worker(w), remove_worker(w), tally, statistics(),
+# serve_mission(channel, info) and warn_all(text).
+
+
+async def receive_all(channel, handlers):
+    """Dispatch every message of ``channel`` to ``handlers`` until the peer closes it.
+    Before waiting for more, send what the handlers queued: the jobs a batch of results
+    let start go out in one write."""
+    while True:
+        if channel.has_pending_output and not channel.has_buffered_input:
+            await channel.flush()
+        msg = await channel.receive()
+        if msg is None:
+            return
+        dispatch(handlers, msg, channel.peer)
+
+
+class HeadService:
+    """Serves a head's address: workers register, CLI clients send commands, missions
+    attach (the owner decides). ``commands`` adds to (or replaces) the CLI commands
+    ``stats`` and ``quit``; ``job_book`` is ``(system, JobBook, custom)`` of the worker
+    jobs to watch for ones that end without joining; ``specialized``: whether the jobs of
+    specialized workers may run here (not in the head daemon, which runs no user code)."""
+
+    def __init__(self, owner, listen, key, *, max_frame=MAX_FRAME, job_book=None,
+                 commands=None, specialized=True):
+        self.owner = owner
+        self.listen, self.key, self.max_frame = listen, key, max_frame
+        self.job_book = job_book
+        self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
+        self.specialized = specialized
+        self.urls = {}                # where it listens: {interface: url}
+        self.joined_job_ids = set()   # batch job ids of every worker that ever registered
+
+    async def run(self, *, task_status=TASK_STATUS_IGNORED):
+        """Serve until cancelled; started() with the URLs once peers can connect."""
+        async with trio.open_nursery() as nursery:
+            self.urls = await nursery.start(serve, self.listen, self.key,
+                                            self.handle_connection)
+            if self.job_book is not None:
+                nursery.start_soon(self._watch_submitted_jobs)
+            task_status.started(self.urls)
+
+    async def handle_connection(self, stream, peer, assign=None):
+        """One authenticated peer: a worker registering, a CLI command, or a mission. With
+        ``assign``, the peer is a passive worker we dialled: it offers those resources."""
+        try:
+            async with open_channel(stream, peer, max_frame=self.max_frame) as channel:
+                if assign is not None:
+                    channel.send(("assign", assign))
+                first = await channel.receive()
+                if first is not None:
+                    await dispatch({"register": functools.partial(self._keep_worker, channel),
+                                    "cli": functools.partial(self._answer, channel),
+                                    "mission": functools.partial(self.owner.serve_mission,
+                                                                 channel)}, first, peer)
+        except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
+            log.warning("connection from %s dropped: %s", peer, e)
+
+    async def dial_passive(self, url, assign):
+        """Dial a passive worker (``worker --listen``) and give it ``assign`` to offer."""
+        try:
+            stream = await connect(url, self.key)
+        except (Unreachable, PeerError, OSError) as e:
+            log.warning("passive worker at %s: %s", url, e)
+            return
+        async with stream:
+            await self.handle_connection(stream, url, assign)
+
+    # -- workers ---------------------------------------------------------------------
+    async def _keep_worker(self, channel, info):
+        sworker = info.get("sworker")
+        args = (info["res"], info["name"])
+        more = (channel, info.get("pid"), info.get("host"), info.get("job_id"))
+        if sworker is None:
+            await self._serve_worker(channel, info, RemoteWorker(self.owner, *args, *more))
+            return
+        if not self.specialized:
+            raise PeerError(f"specialized worker {info['name']} ({sworker['type']}): only a "
+                            "mission that is its own head runs specialized workers' jobs")
+        module = load_module(sworker["type"], "specialized worker type")
+        async with module.grain_context(**sworker["info"]) as value, \
+                trio.open_nursery() as jobs:  # its jobs run here; gone when it goes
+            await self._serve_worker(channel, info, SpecializedWorker(
+                self.owner, *args, jobs, value, *more))
+
+    async def _serve_worker(self, channel, info, w):
+        """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
+        self.joined_job_ids.add(info.get("job_id"))
+        if self.job_book is not None and info.get("job_id"):
+            await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
+        self.owner.add_worker(w)
+        log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
+                 w.offered)
+        why, kind = "was lost (its connection closed)", RETRY_LOST
+        try:
+            await receive_all(channel, w.message_handlers())
+        except PeerError as e:
+            why = f"was dropped ({e})"
+        finally:
+            self.owner.remove_worker(w)
+            if channel.silent:
+                why = f"was lost (silent for {SILENT_S:g} s)"
+            if w.leaving:
+                why, kind = f"retired ({w.leaving})", RETRY_RETIRED
+            if w.jobs:
+                log.warning("worker %s %s with %d job(s) running; re-queueing them",
+                            w.name, why, len(w.jobs))
+            w.interrupt_all(kind, why)
+
+    async def say_goodbye(self, abort=False):
+        """FIN to every worker process (or, when the mission failed, "leave now": no one will
+        read what they are still computing), and wait (FLUSH_S at most) for it to go out."""
+        remote = [w for w in self.owner.scheduler.workers if w.channel is not None]
+        for w in remote:
+            w.channel.send(("leave",) if abort else ("fin",))
+            w.channel.close_after_flush()
+        with trio.move_on_after(FLUSH_S):
+            for w in remote:
+                await w.channel.flushed.wait()
+
+    async def _watch_submitted_jobs(self):
+        """Report loudly, with its log's tail, a batch job that ended without its worker
+        ever joining (instead of leaving the mission waiting in silence)."""
+        system, book, custom = self.job_book
+        reported = set()
+        while True:
+            await trio.sleep(JOB_WATCH_S)
+            records = [r for r in book.waiting()
+                       if r["id"] not in self.joined_job_ids and r["id"] not in reported]
+            if not records:
+                continue
+            states = await trio.to_thread.run_sync(batch_states, system,
+                                                   [r["id"] for r in records], custom)
+            for r in records:
+                if states[r["id"]] == ENDED:
+                    reported.add(r["id"])
+                    self.owner.warn_all(f"batch job {r['id']} ({r['name']}) ended without its "
+                                        f"worker ever joining; the end of its log {r['log']}:"
+                                        f"\n{log_tail(r['log'])}")
+
+    # -- the CLI -----------------------------------------------------------------------
+    async def _answer(self, channel, command, *args):
+        handler = self.commands.get(command)
+        if handler is None:
+            reply = {"error": f"the head at {self.listen} (pid {os.getpid()}) runs a mission "
+                              f"in-process; `{command}` needs a head daemon (`grain.py head`)"
+                     if command in ("stop", "scale") else f"unknown command {command!r}"}
+        else:
+            try:
+                reply = handler(*args)
+            except (TypeError, ValueError) as e:
+                reply = {"error": f"{command}: {e}"}
+        channel.send(("reply", reply))
+
+    def stats(self):
+        """What `ls` shows: the workers, the queue and the counts by failure class."""
+        st, tally = self.owner.statistics(), self.owner.tally
+        workers = [{"name": w.name,
+                    "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
+                    "memory": (w.free.get("Memory", (0, 0))[0],
+                               w.total.get("Memory", (0, 0))[1]),
+                    "walltime": w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
+                    "running": w.running, "status": w.status, "where": w.where,
+                    "job_id": w.job_id}
+                   for w in st.workers]
+        return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
+                "queued": st.queued, "running": st.running, "done": tally.counts["done"],
+                "failed": tally.counts["failed"], "retried": tally.counts["retried"],
+                "retried_by_class": dict(tally.retried_by_class),
+                "failed_by_class": dict(tally.failed_by_class),
+                "next": repr(st.next_request) if st.next_request is not None else None}
+
+    def quit(self, pattern, force):
+        """Make the workers whose names match ``pattern`` leave: after their jobs, or now."""
+        done = []
+        for w in list(self.owner.scheduler.workers):
+            if not fnmatch.fnmatchcase(w.name, pattern):
+                continue
+            if w.channel is None:
+                done.append(f"{w.name}: the in-process worker cannot quit (skipped)")
+                continue
+            w.accepting = False
+            w.channel.send(("leave",) if force else ("drain",))
+            done.append(f"{w.name}: leaving now; its {w.running} running job(s) will be "
+                        "re-queued" if force else f"{w.name}: takes no new jobs; leaves after "
+                        f"its {w.running} running job(s)")
+        return {"done": done or [f"no worker matches {pattern!r}"]}
+
+
+###############################################################################
+# Mission link ################################################################
+
+
+###############################################################################
+# How a mission reaches the head daemon for its address: the one on this host (a Unix
+# socket in /tmp/grain-<uid>), else one answering at the address elsewhere, else a new
+# one it starts, detached. Its Executor then sees the daemon as one more worker that
+# takes every job (HeadLink, with an Unlimited provider): the job's request and pickled
+# bytes go over, the daemon picks the real worker, and results come back as a worker's.
+
+
+def mission_socket_path(address):
+    """Where the head daemon for ``address`` takes missions on this host: a Unix socket in
+    /tmp/grain-<uid> (mode 0700; short, and the same for every login and batch job)."""
+    base = f"/tmp/grain-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise GrainError(f"{base} must be a directory of yours that only you can read (mode "
+                         "0700): it holds the head daemon's socket; remove it or chmod 700 it")
+    return os.path.join(base, f"head-{hashlib.sha1(address.encode()).hexdigest()[:16]}.sock")
+
+
+def spawn_head(argv, log_file):
+    """Start a head daemon detached from this process (own session: a Ctrl-C of the
+    mission does not reach it), its output going to ``log_file``."""
+    os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+    with open(log_file, "ab") as out:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True,
+                                env=dict(os.environ, GRAIN_HEAD_LOG=log_file))
+
+
+async def attach_to_head(address, key, argv, log_file):
+    """A stream to the head daemon for ``address``: the one on this host, else one listening
+    at the address elsewhere, else a new one started here with ``argv``."""
+    sock = f"unix://{mission_socket_path(address)}"
+
+    async def existing():
+        for url in (sock, address):
+            with contextlib.suppress(Unreachable):
+                return await connect(url, key)
+        return None
+
+    stream = await existing()
+    if stream is not None:
+        return stream
+    started = trio.current_time()
+    proc = spawn_head(argv, log_file)
+    log.info("started a head daemon (pid %d) for %s; its log: %s", proc.pid, address, log_file)
+    while True:
+        await trio.sleep(HEAD_POLL_S)
+        with contextlib.suppress(Unreachable):
+            return await connect(sock, key)
+        if proc.poll() is not None:  # it may have lost a race with another one: try that
+            stream = await existing()
+            if stream is not None:
+                return stream
+            raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
+                             f"answering; the end of its log {log_file}:\n{log_tail(log_file)}")
+        if trio.current_time() - started > HEAD_START_S:
+            raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
+                             f"{HEAD_START_S:g} s; see its log {log_file}")
+
+
+class Unlimited(Resource):
+    """A provider that grants every request, allocating nothing: the head daemon, as its
+    missions see it, decides where jobs run."""
+
+    kind = None
+    __slots__ = ()
+
+    def _parts(self):
+        return {}
+
+    def request(self, req):
+        return True
+
+    def _take(self, req):
+        return ZERO
+
+    def dealloc(self, alloc):
+        pass
+
+    def __and__(self, other):
+        return self
+
+    __rand__ = __and__
+
+    def _repr(self):
+        return "unlimited"
+
+
+class HeadLink(RemoteWorker):
+    """The head daemon, as one worker of a mission that takes every job: it forwards the
+    job's request and pickled bytes. Results come back as they would from a worker."""
+
+    def __init__(self, owner, channel, info):
+        super().__init__(owner, Unlimited(), "head", channel, info.get("pid"), info.get("host"))
+        self.log_file = info.get("log") or "(unknown)"
+
+    def start(self, job):
+        digest = self._send_function(job.fn, _callable_name(job.fn))
+        self.jobs[job.id] = job
+        self.channel.send(("job", job.id, job.req, digest, job.payload))
+
+    def message_handlers(self):
+        return {"done": self.on_done, "ping": _ignore,
+                "warn": lambda text: log.warning("%s", text)}
+
+
+def _refused(why):
+    raise GrainError(why)
+
+
+class MissionLink:
+    """A mission's connection to the head daemon, opened when its first job with resources
+    is queued (``open``). If the daemon goes away, the jobs it had come back to the mission
+    as "worker lost" retries, and the link opens again (to a new daemon) for them."""
+
+    def __init__(self, owner, attach, info, max_frame=MAX_FRAME):
+        self.owner, self.attach, self.info, self.max_frame = owner, attach, info, max_frame
+        self.open_ = False  # attaching or attached
+
+    def open(self, nursery):
+        if not self.open_:
+            self.open_ = True
+            nursery.start_soon(self._run)
+
+    async def _run(self):
+        link, why = None, "went away (its connection closed)"
+        try:
+            stream = await self.attach()
+            async with open_channel(stream, "the head daemon", max_frame=self.max_frame,
+                                    silent_after=HANDSHAKE_TIMEOUT_S + SILENT_S) as channel:
+                channel.send(("mission", self.info))
+                reply = await channel.receive() or ("refused", "it closed the connection")
+                info = dispatch({"attached": dict, "refused": _refused}, reply, channel.peer)
+                channel.silent_after = None  # a busy daemon may be slow: its missions wait
+                link = HeadLink(self.owner, channel, info)
+                log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
+                         link.host, link.log_file)
+                self.owner.add_worker(link)
+                await receive_all(channel, link.message_handlers())
+            if channel.silent and link is None:
+                raise GrainError("the head daemon did not answer this mission")
+        except PeerError as e:
+            why = f"was dropped ({e})"
+        except (GrainError, OSError) as e:
+            self.owner.fail_queued(f"{e}")
+        finally:
+            self.open_ = False
+            if link is not None:
+                self.owner.remove_worker(link)
+            if link is not None and not self.owner.closing:
+                why = f"{why}; its log: {link.log_file}"
+                if link.jobs:
+                    log.warning("the head daemon %s with %d job(s) of this mission; "
+                                "submitting them again", why, len(link.jobs))
+                link.interrupt_all(RETRY_LOST, why)
 
 
 ###############################################################################
 # Executor ####################################################################
+
+
 ###############################################################################
+# A mission's engine: it takes jobs (submit), runs those without resources here at once
+# and queues the others with its Scheduler, retries failures by class, hands results to
+# whoever awaits them, and owns the workers' protocol (see Workers). It is the head of
+# its mission -- with an in-process worker, a HeadService for workers joining at its
+# address -- or it is attached to a head daemon through a MissionLink.
 
 
 class Job:
@@ -2408,52 +4149,63 @@ class Job:
         return f"<Job {self.name} {self.req!r} {self.state}>"
 
 
-class JobQueue:
-    """The jobs of one mission waiting for resources, oldest first. An executor running a
-    mission in-process has one; a head daemon has one per attached mission."""
+class Tally:
+    """Jobs that ended, and retries, by failure class: what `ls` shows."""
 
-    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
-                 "reserved", "run")
+    def __init__(self):
+        self.counts = {"done": 0, "failed": 0, "retried": 0}
+        self.failed_by_class = {}
+        self.retried_by_class = {}
 
-    def __init__(self, name, prioritized=False):
-        self.jobs = deque()
-        self.name = name
-        self.prioritized = prioritized
-        self.blocked_job = None      # the head job while it fits no worker, and since when
-        self.blocked_since = 0.0
-        self.warned_at = -math.inf
-        self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
-        self.run = 0                 # jobs right behind the first known to ask the same
+    def ended(self, state, kind=None):
+        """Count a job that ended ``state`` ("done" or "failed", of class ``kind``)."""
+        self.counts[state] += 1
+        if state == "failed":
+            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
 
-    def unreserve(self):
-        """Give up the worker held for the blocked job (it started, or the queue is gone)."""
-        w = self.reserved
-        if w is not None:
-            self.reserved = None
-            if w.reserved_for is self.blocked_job:
-                w.reserved_for = None
-
-    def warn(self, message):
-        """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
-        log.warning("%s", message)
+    def retried(self, kind):
+        self.counts["retried"] += 1
+        self.retried_by_class[kind] = self.retried_by_class.get(kind, 0) + 1
 
 
-ExecutorStatistics = namedtuple(
-    "ExecutorStatistics", "queued running done failed retried workers next_request")
-ExecutorStatistics.__doc__ = "Counters of an executor at one moment, for ``ls``."
+class Retries:
+    """How many times a job is retried after each failure class: temporary errors (the
+    ``temporary_err`` types) and infrastructure failures up to ``max_retries``, a lost
+    worker too (not at all when not ``persistent``), a retired one up to RETIRED_RETRIES."""
 
+    def __init__(self, max_retries=MAX_RETRIES, temporary_err=(), persistent=True):
+        if isinstance(temporary_err, type):
+            temporary_err = (temporary_err,)
+        self.temporary_err = tuple(temporary_err)
+        n = _check_count(max_retries, "max_retries")
+        self.budgets = {RETRY_TEMPORARY: n, RETRY_INFRA: n, RETRY_LOST: n if persistent else 0,
+                        RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
 
-# Failure classes a job can be retried for, kept apart in counters and messages.
-RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
-RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
-RETRY_LOST = "worker lost"               # its connection closed or went silent
-RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
-RETIRED_RETRIES = 20                     # retirements are not the job's fault: a wide bound
+    def class_of(self, error):
+        """The retry class of a job's exception, or None (not retried)."""
+        if isinstance(error, BrokenSubprocessError):
+            return RETRY_INFRA
+        if self.temporary_err and isinstance(error, self.temporary_err):
+            return RETRY_TEMPORARY
+        return None
 
+    def again(self, job, kind, error, tally):
+        """Count one more failure of ``kind``; True while the budget allows a retry."""
+        failures = job.failures if job.failures is not None else {}
+        job.failures = failures
+        if failures.get(kind, 0) >= self.budgets[kind]:
+            return False
+        failures[kind] = failures.get(kind, 0) + 1
+        tally.retried(kind)
+        log.warning("job %s failed with %s (%s, attempt %d); retrying",
+                    job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
+        return True
 
-def failure_class(error):
-    """How a job that raised ``error`` failed, for counts and messages (not retried)."""
-    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+    def note(self, job, error, kind):
+        """Say on the final error how many attempts were made."""
+        if kind is not None and job.attempts > 1:
+            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
+                            f"({kind}, {self.budgets[kind]} retries allowed)")
 
 
 # Upstream Grain's executor arguments that mean nothing here, and why.
@@ -2476,28 +4228,32 @@ def _note_no_effect(where, options):
         log.warning("%s(%s=...) has no effect in grain.py: %s", where, name, why)
 
 
-class GrainExecutor:
-    """Schedules jobs onto workers by resource and collects their results.
+@dataclass(frozen=True)
+class MissionSetup:
+    """What a mission's config adds to its executor (see run()); GrainExecutor's defaults
+    otherwise."""
+    attach: object = None          # async () -> a stream to the head daemon; None: the head
+    info: dict = field(default_factory=dict)  # the mission, for the daemon's `ls`
+    listen_optional: bool = False  # another head has the address: run on, not listening
+    job_book: tuple = None         # (system, JobBook, custom) of worker jobs to watch
+    context: object = None         # grain_context of the context module, for local jobs
+    job_log: str = None            # where local jobs print (head.log_file)
+    backendless: tuple = ()        # (module, resources) of backendless specialized workers
 
-    Queue policy (``_pump`` and what it calls): first come, first served, with backfill.
-    The oldest queued job goes to the first worker that can allocate its request. When no
-    worker can, later jobs (up to BACKFILL_DEPTH behind it) that fit somewhere now start
-    ahead of it, so a large job does not leave cores idle behind it. So that the large
-    job cannot starve, once it has waited RESERVE_AFTER_S it reserves one worker (among
-    those large enough, the one with the most free): no other job starts there until it
-    does. The queue is looked at again whenever a job ends or a worker joins. Jobs that
-    request nothing (``ZERO``) skip the queue and run at once in this process. A head
-    daemon (HeadDaemon, below) has one such queue per mission and serves them round-robin,
-    prioritized missions first; a reservation holds its worker against every mission. A
-    mission attached to a daemon forwards its queue there.
+
+class GrainExecutor:
+    """Runs jobs where the resources they request fit (see Scheduler for the policy), and
+    collects their results. Jobs that request nothing (``ZERO``) skip the queue and run at
+    once in this process, in the order they were submitted.
 
     Failures: a job's exception goes to whoever awaits the job, with its original type; the
-    worker keeps serving. Exceptions whose type is in ``temporary_err`` and infrastructure
-    failures (``BrokenSubprocessError``) are retried, each class up to ``max_retries`` times,
-    then raised with a note saying how many attempts were made. A failure nobody awaited is
-    raised when the executor closes (in an ExceptionGroup): nothing is dropped silently.
+    worker keeps serving. Retries as Retries says, then the error is raised with a note of
+    how many attempts were made. A failure nobody awaited is raised when the executor
+    closes (in an ExceptionGroup): nothing is dropped silently.
 
-    Use it asynchronously::
+    ``waddrs`` are passive workers to dial, given ``rpw`` too (upstream's order of
+    arguments; ``GrainExecutor(rpw)`` works as well); ``listen`` an address where workers
+    and the CLI reach this head. Use it asynchronously::
 
         async with GrainExecutor(rpw=Cores(4)) as exer:
             job = exer.submit(Cores(1), fn, x)
@@ -2511,70 +4267,49 @@ class GrainExecutor:
         print(exer.results)            # in submission order
     """
 
-    opaque = False  # True on a head daemon: job values stay pickled bytes
-
     def __init__(self, waddrs=(), rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES,
-                 name="local", listen=None, key=None, max_frame=MAX_FRAME,
-                 listen_optional=False, job_book=None, attach=None, mission_info=None,
-                 context=None, job_log=None, backendless=(), nolocal=False, reschedule=True,
-                 persistent=True, **no_effect):
+                 name="local", listen=None, key=None, max_frame=MAX_FRAME, mission=None,
+                 nolocal=False, reschedule=True, persistent=True, **no_effect):
         if isinstance(waddrs, Resource):  # grain.py's GrainExecutor(rpw) (upstream: waddrs first)
             waddrs, rpw = (), waddrs
         if rpw is not None and not isinstance(rpw, Resource):
             raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
         _note_no_effect("GrainExecutor", no_effect)
-        if isinstance(temporary_err, type):
-            temporary_err = (temporary_err,)
         if not reschedule:  # upstream: "abort on any exception": no retry at all
             temporary_err, max_retries = (), 0
+        self.retries = Retries(max_retries, temporary_err, persistent)
         self.rpw = None if nolocal else rpw
-        self.temporary_err = tuple(temporary_err)
-        self.max_retries = _check_count(max_retries, "max_retries")
         self.local_name = name
-        self.workers = []
+        self.scheduler = Scheduler()
         self._main_queue = JobQueue(name)
-        self._queues = [self._main_queue]
-        self._n_queued = 0
-        self._jobs = []  # every job, in submission order
-        self._ids = itertools.count(1)
-        self._outstanding = 0
-        self._all_done = None
-        self.group_times = _GroupTimes()  # shared by the WTime of every worker
-        self._nursery = None
-        self._zero_worker = None
-        self._sync_jobs = None
-        self.counts = {"done": 0, "failed": 0, "retried": 0}
-        self.retried_by_class = {}
-        self.failed_by_class = {}
-        self.elapsed = None
-        self.listen = listen
-        self.key = key
+        self.scheduler.add_queue(self._main_queue)
+        self.tally = Tally()
+        self.mission = mission or MissionSetup()
+        self.listen, self.key, self.max_frame = listen, key, max_frame
         # upstream's passive workers are host names, listening on port 4242
         self.waddrs = [a if "://" in a else f"tcp://{a}:4242" for a in waddrs]
         for url in self.waddrs:
             parse_url(url)
-        self.max_frame = max_frame
-        self.listen_optional = listen_optional  # a mission runs on if another head has the address
-        self.urls = {}           # where this head listens: {interface: url}
-        self.joined_job_ids = set()  # batch job ids of every worker that ever registered
-        self.job_book = job_book  # (system, JobBook) to watch for jobs that never join
-        self.context = context    # the context module's grain_context, for local jobs
-        self.job_log = job_log    # where the local worker's jobs print (head.log_file)
-        self.backendless = list(backendless)  # (module, resources) of backendless workers
-        self._remote = bool(listen or waddrs)  # jobs may leave this process: pickle them
+        self._link = None if self.mission.attach is None else MissionLink(
+            self, self.mission.attach, self.mission.info, max_frame)
+        # jobs may leave this process: their function and arguments are pickled at once
+        self._remote = bool(listen or waddrs or self._link)
+        self.service = None       # the HeadService, while it runs
+        self._jobs = []           # every job, in submission order
+        self._ids = itertools.count(1)
+        self._outstanding = 0
+        self._all_done = None
         self._fn_cache = {}
-        # A mission attached to a head daemon: ``attach()`` gives a stream to it, and every
-        # job goes there (see _forward); the link is opened at the first such job.
-        self._attach = attach
-        self.mission_info = mission_info or {}
-        self._link = None
-        self._attaching = False
-        self._closing = False
-        if attach is not None:
-            self._remote = True
-        lost = self.max_retries if persistent else 0  # upstream: abort when a worker leaves
-        self._budgets = {RETRY_TEMPORARY: self.max_retries, RETRY_INFRA: self.max_retries,
-                         RETRY_LOST: lost, RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
+        self._nursery = self._zero_worker = self._sync_jobs = None
+        self.closing = False
+        self.elapsed = None
+
+    workers = property(lambda self: self.scheduler.workers)
+    group_times = property(lambda self: self.scheduler.group_times)
+    urls = property(lambda self: self.service.urls if self.service else {})
+    counts = property(lambda self: self.tally.counts)
+    failed_by_class = property(lambda self: self.tally.failed_by_class)
+    retried_by_class = property(lambda self: self.tally.retried_by_class)
 
     # -- submission -------------------------------------------------------
     def submit(self, res, fn, *args, **kwargs):
@@ -2625,7 +4360,7 @@ class GrainExecutor:
         self._nursery.start_soon(resolve_then_enqueue)
         return job
 
-    def _function_bytes(self, fn):
+    def function_bytes(self, fn):
         """``(digest, bytes)`` of a job function, serialized once per executor."""
         try:
             hit = self._fn_cache.get(fn)
@@ -2641,7 +4376,7 @@ class GrainExecutor:
     def _prepare_payload(self, job):
         """Serialize a job for remote workers now, so what cannot be pickled fails at
         submit time and names the culprit."""
-        self._function_bytes(job.fn)
+        self.function_bytes(job.fn)
         if not job.args and not job.kwargs:
             job.payload = NO_ARGS_PAYLOAD
             return
@@ -2653,350 +4388,102 @@ class GrainExecutor:
                             ) from None
 
     def _enqueue(self, job):
-        if job.req is ZERO or not job.req._parts():
-            job.state = "running"
-            job.attempts += 1
-            job.alloc = ZERO
-            job.worker = self._zero_worker
-            self._zero_worker.running += 1
-            self._zero_worker.start(job)
+        req = job.req
+        if req is ZERO or (req.kind is None and not req._parts()):
+            self.scheduler.launch(job, self._zero_worker)  # in this process, at once
             return
-        queue = job.queue
-        jobs = queue.jobs
-        jobs.append(job)
-        self._n_queued += 1
-        if len(jobs) == 1:
-            self._pump()
-        elif self._attach is None and not _same_request(job.req, jobs[0].req):
-            self._backfill(queue, 1, len(jobs) - 1)  # behind a blocked job, it may fit now
+        self.scheduler.push(job)
+        if self._link is not None:
+            self._link.open(self._nursery)
 
-    # -- dispatch: the queue policy ---------------------------------------
-    def _pump(self):
-        """Start queued jobs on workers that can allocate them.
-
-        Within a queue, oldest first with backfill (see the class). Between queues
-        (missions on a head daemon): those ``prioritized`` first; among equals, one job per
-        queue per round, and each call starts its rounds one queue further along, so a small
-        mission is never stuck behind a large one's backlog."""
-        if self._attach is not None:
-            self._forward()
-            return
-        queues = self._queues
-        if len(queues) <= 1:
-            if queues:
-                self._start_from(queues[0], -1)
-            return
-        while self._n_queued:
-            started = False
-            for tier in (True, False):
-                for q in queues:
-                    if q.jobs and q.prioritized is tier and self._start_from(q, 1):
-                        started = True
-                if started:
-                    break  # back to the prioritized tier: what started may have freed nothing
-            if not started:
-                break
-        queues.append(queues.pop(0))
-
-    def _start_from(self, queue, limit):
-        """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
-        (backfill) later ones that fit while the oldest waits; returns how many started."""
-        jobs, workers = queue.jobs, self.workers
-        started = 0
-        while jobs and started != limit:
-            job = jobs[0]
-            req = job.req
-            for w in workers:
-                if w.accepting and w.res.request(req) and (
-                        w.reserved_for is None or w.reserved_for is job):
-                    break
-            else:
-                if queue.blocked_job is not job:
-                    if queue.reserved is not None:
-                        queue.unreserve()
-                    queue.blocked_job = job
-                    queue.blocked_since = trio.current_time()
-                else:
-                    self._reserve_if_starving(queue, job)
-                if len(jobs) > queue.run + 1:
-                    started += self._backfill(queue, limit - started if limit > 0 else -1)
-                return started
-            jobs.popleft()
-            if queue.run:
-                queue.run -= 1
-            if queue.reserved is not None:
-                queue.unreserve()
-            self._n_queued -= 1
-            job.state = "running"  # as _launch, inlined: this is the hot path
-            job.attempts += 1
-            job.alloc = w.res._take(req)
-            if job.group is not None:
-                job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
-            job.worker = w
-            w.running += 1
-            w.start(job)
-            started += 1
-        return started
-
-    def _launch(self, job, w):
-        job.state = "running"
-        job.attempts += 1
-        job.alloc = w.res._take(job.req)
-        if job.group is not None:
-            job.T = _part(job.alloc, "WTime").T
-        job.worker = w
-        w.running += 1
-        w.start(job)
-
-    def _reserve_if_starving(self, queue, job):
-        """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
-        once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
-        w = queue.reserved
-        if w is not None and w.reserved_for is job and w.accepting and w in self.workers:
-            return
-        if trio.current_time() - queue.blocked_since < RESERVE_AFTER_S:
-            return
-        queue.reserved = None
-        could = [w for w in self.workers
-                 if w.accepting and w.reserved_for is None and w.total.request(job.req)]
-        if could:  # the one with the most free now: probably the first to have enough
-            w = max(could, key=lambda w: _size_key(w.res))
-            w.reserved_for = job
-            queue.reserved = w
-            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job "
-                     "until it starts", job.name, trio.current_time() - queue.blocked_since,
-                     job.req, w.name)
-
-    def _backfill(self, queue, limit, first=None):
-        """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
-        ``queue`` that fit a worker now (or only ``jobs[first:]``, for a new job).
-
-        ``queue.run`` counts the jobs right behind the head that ask for the same as it:
-        they cannot fit either, and each is compared once as the run grows, so a long queue
-        of identical jobs costs nothing per completion. Behind the run, at most
-        BACKFILL_DEPTH jobs are looked at; those asking for the same as one found not to fit
-        in this pass are skipped without a look at the workers."""
-        jobs = queue.jobs
-        head_req = jobs[0].req
-        n = len(jobs)
-        if first is None:
-            i = queue.run + 1
-            while i < n and _same_request(jobs[i].req, head_req):
-                i += 1
-            queue.run = i - 1
-            stop = min(n, i + BACKFILL_DEPTH)
-        else:
-            i, stop = first, n
-        failed = [head_req]
-        started = 0
-        while i < stop and started != limit:
-            job = jobs[i]
-            req = job.req
-            for f in failed:
-                if _same_request(req, f):
-                    break
-            else:
-                for w in self.workers:
-                    if w.accepting and w.reserved_for is None and w.res.request(req):
-                        del jobs[i]
-                        stop -= 1
-                        self._n_queued -= 1
-                        self._launch(job, w)
-                        started += 1
-                        break
-                else:
-                    failed.append(req)
-                    i += 1
-                continue
-            i += 1
-        return started
-
-    def _forward(self):
-        """A mission attached to a head daemon sends every queued job to it at once: the
-        daemon runs the policy above over all its missions."""
-        link, jobs = self._link, self._main_queue.jobs
-        if link is None:
-            if not self._attaching and jobs:
-                self._attaching = True
-                self._nursery.start_soon(self._run_link)
-            return
-        while jobs:
-            job = jobs.popleft()
-            self._n_queued -= 1
-            job.state = "running"
-            job.attempts += 1
-            job.alloc = ZERO
-            job.worker = link
-            link.running += 1
-            link.start(job)
-
-    async def _run_link(self):
-        """Attach to the head daemon and relay its results until the mission ends. If the
-        daemon goes away, the jobs it had are re-submitted (to a new one) as lost."""
-        try:
-            stream = await self._attach()
-        except (GrainError, OSError) as e:
-            self._fail_queued(f"{e}")
-            return
-        channel = Channel(stream, self.max_frame, "the head daemon")
-        link = None
-        why = "went away (its connection closed)"
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(channel.run_writer)
-                try:  # inside the nursery, so the error is not wrapped in a group
-                    channel.send(("mission", self.mission_info))
-                    with trio.move_on_after(HANDSHAKE_TIMEOUT_S + SILENT_S):
-                        reply = await channel.receive()
-                    if not (isinstance(reply, tuple) and reply[:1] == ("attached",)):
-                        raise GrainError(reply[1] if isinstance(reply, tuple) and
-                                         reply[:1] == ("refused",) else
-                                         f"the head did not accept this mission: {reply!r:.80}")
-                    link = self._link = HeadLink(self, channel, reply[1])
-                    log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
-                             link.host, link.log_file)
-                    self._attaching = False
-                    self._pump()
-                    nursery.start_soon(_send_heartbeats, channel)
-                    await self._worker_messages(link, channel)
-                except PeerError as e:
-                    why = f"was dropped ({e})"
-                except GrainError as e:
-                    self._attaching = False
-                    self._fail_queued(f"{e}")
-                nursery.cancel_scope.cancel()
-        finally:
-            self._link = None
-            with trio.CancelScope(shield=True):
-                await channel.aclose()
-            if link is not None and not self._closing:
-                why = f"{why}; its log: {link.log_file}"
-                if link.jobs:
-                    log.warning("the head daemon %s with %d job(s) of this mission; "
-                                "submitting them again", why, len(link.jobs))
-                link.interrupt_all(RETRY_LOST, why)
-
-    def _fail_queued(self, why):
-        self._main_queue.unreserve()
-        self._main_queue.run = 0
-        jobs = self._main_queue.jobs
-        while jobs:
-            job = jobs.popleft()
-            self._n_queued -= 1
-            self._complete(job, None, GrainError(why))
-
+    # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
-        self.workers.append(worker)
+        self.scheduler.add_worker(worker)
         self._workers_changed.set()
         self._workers_changed = trio.Event()
-        self._pump()
-
-    async def wait_for_workers(self, n, remote_only=True):
-        """Wait until at least ``n`` (remote) workers have joined."""
-        while sum(1 for w in self.workers
-                  if not remote_only or w.channel is not None) < n:
-            await self._workers_changed.wait()
 
     def remove_worker(self, worker):
-        if worker in self.workers:
-            self.workers.remove(worker)
+        self.scheduler.remove_worker(worker)
 
-    # -- completion ---------------------------------------------------------
-    def _release(self, job, ok=False):
-        """Give a job's allocation back to its worker (only a run that succeeded teaches its
-        WTime group how long the group's runs take)."""
-        w, alloc = job.worker, job.alloc
-        w.running -= 1
-        job.alloc = None
-        if alloc is not ZERO:
-            if not ok and job.group is not None:
-                _part(alloc, "WTime")._since = None
-            w.res.dealloc(alloc)
-        return w
+    def add_local_worker(self, res, name):
+        """One more in-process worker, holding ``res``."""
+        self.add_worker(LocalWorker(self, res, name, self._nursery))
 
-    def _job_ended(self, job, value, error, duration):
-        """Called by a worker exactly once per attempt it started."""
-        self._release(job, ok=error is None)
+    async def wait_for_workers(self, n):
+        """Wait until at least ``n`` worker processes have joined."""
+        while sum(1 for w in self.workers if w.channel is not None) < n:
+            await self._workers_changed.wait()
+
+    def job_ended(self, job, value, error, duration):
+        """A worker's job ended: its value, or the exception it raised."""
+        self.scheduler.release(job, ok=error is None)
         job.duration = duration
         if error is None:
             self._complete(job, value, None)
         else:
-            kind = self._retry_class(error)
+            kind = self.retries.class_of(error)
             if kind is None or not self._retry(job, kind, error):
                 self._complete(job, None, error, kind)
-        if self._n_queued:
-            self._pump()
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
 
-    def _job_interrupted(self, job, kind, why):
+    def job_reported(self, job, ok, data, duration, kind, where):
+        """A remote worker's job ended: its value or exception, pickled."""
+        try:
+            value = loads_job_value(data)
+        except Exception as e:
+            ok, value = False, (GrainError(f"the result of job {job.name} could not be "
+                                           f"unpickled here: {e}"), "")
+        if not ok:
+            value, tb = value
+            if tb:
+                add_note(value, f"Traceback on worker {where}:\n{tb.rstrip()}")
+        self.job_ended(job, value if ok else None, None if ok else value, duration)
+
+    def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
-        w = self._release(job)
+        w = self.scheduler.release(job)
         cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
         error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
         if not self._retry(job, kind, error):
             self._complete(job, None, error, kind)
-        if self._n_queued:
-            self._pump()
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
 
-    def _job_cancelled(self, job):
-        """A job cancelled on its worker has stopped; its mission has gone already."""
-        self._release(job)
-        job.state = "failed"
-        if self._n_queued:
-            self._pump()
+    def job_cancelled(self, job):  # (only a head daemon cancels jobs)
+        self.scheduler.release(job)
 
-    def _retry_class(self, error):
-        if isinstance(error, BrokenSubprocessError):
-            return RETRY_INFRA
-        if self.temporary_err and isinstance(error, self.temporary_err):
-            return RETRY_TEMPORARY
-        return None
-
+    # -- completion -----------------------------------------------------------------
     def _retry(self, job, kind, error):
-        failures = job.failures
-        if failures is None:
-            failures = job.failures = {}
-        n = failures.get(kind, 0)
-        if n >= self._budgets[kind]:
+        if not self.retries.again(job, kind, error, self.tally):
             return False
-        failures[kind] = n + 1
-        self.counts["retried"] += 1
-        self.retried_by_class[kind] = self.retried_by_class.get(kind, 0) + 1
-        log.warning("job %s failed with %s (%s, attempt %d); retrying",
-                    job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
         job.state = "queued"
-        if not job.req._parts():  # no resources: it runs here again at once, as the first time
+        if job.req is not ZERO and job.req._parts():
+            self.scheduler.push_front(job)  # it was submitted before everything behind it
+            if self._link is not None:
+                self._link.open(self._nursery)
+        else:  # no resources: it runs here again at once, as the first time
             self._enqueue(job)
-            return True
-        job.queue.jobs.appendleft(job)  # it was submitted before everything behind it
-        job.queue.run = 0
-        self._n_queued += 1
         return True
 
     def _complete(self, job, value, error, kind=None):
         if error is None:
-            job.value = value
-            job.state = "done"
+            job.value, job.state = value, "done"
         else:
-            self._note_attempts(job, error, kind)
-            job.error = error
-            job.state = "failed"
-        self._count(job.state, kind or (error is not None and failure_class(error)))
+            self.retries.note(job, error, kind)
+            job.error, job.state = error, "failed"
+            kind = kind or failure_class(error)
+        self.tally.ended(job.state, kind)
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
         if self._outstanding == 0 and self._all_done is not None:
             self._all_done.set()
 
-    def _count(self, state, kind):
-        """Count a job that ended (``state`` "done" or "failed", of failure class ``kind``)."""
-        self.counts[state] += 1
-        if state == "failed":
-            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
-
-    def _note_attempts(self, job, error, kind):
-        if kind is not None and job.attempts > 1:
-            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
-                            f"({kind}, {self._budgets[kind]} retries allowed)")
+    def fail_queued(self, why):
+        """Fail every queued job with GrainError(why) (the head daemon cannot be reached)."""
+        for job in self.scheduler.take_queued(self._main_queue):
+            self._complete(job, None, GrainError(why))
 
     async def wait_all(self):
         """Wait until every job submitted so far has ended."""
@@ -3004,311 +4491,26 @@ class GrainExecutor:
             self._all_done = trio.Event()
             await self._all_done.wait()
 
-    # -- the stuck-queue warning --------------------------------------------
     async def _watch_stuck(self):
         while True:
             await trio.sleep(STUCK_CHECK_S)
-            for q in list(self._queues):
-                if q.jobs and q.jobs[0] is q.blocked_job:
-                    self._warn_if_stuck(q)
+            for queue, text in self.scheduler.stuck():
+                queue.warn(text)
 
-    def _warn_if_stuck(self, q):
-        now = trio.current_time()
-        waited = now - q.blocked_since
-        if waited < STUCK_WARN_S or now - q.warned_at < STUCK_REPEAT_S:
-            return
-        q.warned_at = now
-        job = q.blocked_job
-        if self.workers:
-            big = max(self.workers, key=lambda w: _size_key(w.total))
-            where = f"the largest worker is {big.name} with {big.offered!r}"
-        else:
-            where = ("no worker has joined yet (give run() local=..., or start workers "
-                     "with `python grain.py up`)")
-        q.warn(f"job {job.name} requesting {job.req!r} has fitted no worker for "
-               f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued")
+    # -- as a head ------------------------------------------------------------------
+    def statistics(self):
+        st = self.scheduler.statistics()
+        return st._replace(running=st.running + self._zero_worker.running)
 
-    # -- the head: workers and CLI clients connect here -------------------------
-    async def _serve(self, *, task_status=TASK_STATUS_IGNORED):
-        """Listen on ``self.listen``; started() once peers can connect (and, for an Edge
-        address, once the record is written)."""
-        scheme, _, where = parse_url(self.listen)
-        async with trio.open_nursery() as nursery:
-            if scheme == "edge":
-                await nursery.start(self._serve_edge, where)
-            else:
-                listeners, self.urls = await open_listeners(self.listen)
-                nursery.start_soon(trio.serve_listeners, self._on_accept, listeners)
-            task_status.started(self.urls)
-
-    async def _serve_edge(self, path, *, task_status=TASK_STATUS_IGNORED):
-        edge = EdgeFile(path)
-        lid = os.urandom(8).hex()
-        sock_path = _edge_socket_path(path, f"head-{lid}")
-        tcp, urls = await open_listeners("tcp://:0")
-        unix = await _unix_listener(sock_path)
-        urls["unix"] = f"unix://{sock_path}"
-        self.urls = urls
-        record = {"host": _hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.serve_listeners, self._on_accept, tcp + [unix])
-                with edge.locked() as data:
-                    current = data["listener"]
-                    if EdgeFile.live(current):
-                        raise GrainError(
-                            f"a head is already listening at edge://{path} (pid "
-                            f"{current.get('pid')} on {current.get('host')}); stop it first")
-                    if current:
-                        log.warning("Edge file %s: replacing the stale record of pid %s on %s",
-                                    path, current.get("pid"), current.get("host"))
-                    pending, data["dialer"] = data["dialer"], []
-                    data["listener"] = dict(record, heartbeat=time.time())
-                for dialer in pending:
-                    nursery.start_soon(self._call_dialer, dialer)
-                task_status.started(urls)
-                while True:
-                    await trio.sleep(EDGE_HEARTBEAT_S)
-                    with edge.locked() as data:
-                        if (data["listener"] or {}).get("lid") != lid:
-                            log.warning("Edge file %s: our record was replaced; re-adding it",
-                                        path)
-                        pending, data["dialer"] = data["dialer"], []
-                        data["listener"] = dict(record, heartbeat=time.time())
-                    for dialer in pending:
-                        nursery.start_soon(self._call_dialer, dialer)
-        finally:
-            with contextlib.suppress(OSError):
-                with edge.locked() as data:
-                    if (data["listener"] or {}).get("lid") == lid:
-                        data["listener"] = None
-            with contextlib.suppress(OSError):
-                os.unlink(sock_path)
-
-    async def _call_dialer(self, record):
-        stream = await _try_connect(_order_urls(record), self.key)
-        if stream is None:
-            log.warning("could not reach the waiting worker at %s; it will retry",
-                        ", ".join(_order_urls(record)) or "(no address)")
-            return
-        await self._on_connection(stream, _order_urls(record)[0])
-
-    async def _dial_passive(self, url):
-        try:
-            stream = await open_stream(url)
-            await authenticate(stream, self.key, dialer=True)
-        except (OSError, PeerError) as e:
-            log.warning("passive worker at %s: %s", url, e)
-            return
-        await self._on_connection(stream, url, assign=self.rpw)
-
-    async def _on_accept(self, stream):
-        peer = _peer_name(stream)
-        try:
-            await authenticate(stream, self.key, dialer=False)
-        except (PeerError, OSError, trio.BrokenResourceError) as e:
-            log.warning("refused a connection from %s: %s", peer, e)
-            await stream.aclose()
-            return
-        await self._on_connection(stream, peer)
-
-    async def _on_connection(self, stream, peer, assign=None):
-        """An authenticated peer: a worker registering, or a CLI client with a command."""
-        channel = Channel(stream, self.max_frame, peer)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(channel.run_writer)
-                try:  # inside the nursery, so the error is not wrapped in a group
-                    if assign is not None:
-                        channel.send(("assign", assign))
-                    with trio.move_on_after(SILENT_S):
-                        first = await channel.receive()
-                    if isinstance(first, tuple) and first[:1] == ("register",):
-                        await self._serve_worker(channel, first[1])
-                    elif isinstance(first, tuple) and first[:1] == ("cli",):
-                        await self._serve_cli(channel, *first[1:])
-                    elif isinstance(first, tuple) and first[:1] == ("mission",):
-                        await self._serve_mission(channel, first[1])
-                    elif first is not None:
-                        log.warning("peer %s sent an unknown greeting %.60r", peer, first)
-                except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
-                    log.warning("connection from %s dropped: %s", peer, e)
-                nursery.cancel_scope.cancel()
-        finally:
-            await channel.aclose()
-
-    async def _serve_worker(self, channel, info):
-        sworker = info.get("sworker")
-        if sworker is None:
-            await self._keep_worker(channel, info, RemoteWorker(
-                self, info["res"], info["name"], channel, info.get("pid"), info.get("host"),
-                info.get("job_id")))
-            return
-        if self.opaque:  # its jobs would run here, where no user code runs
-            raise PeerError(f"specialized worker {info['name']} ({sworker['type']}): only a "
-                            "mission that is its own head runs specialized workers' jobs")
-        module = load_module(sworker["type"], "specialized worker type")
-        async with module.grain_context(**sworker["info"]) as value:
-            await self._keep_worker(channel, info, SpecializedWorker(
-                self, info["res"], info["name"], self._nursery, value, channel,
-                info.get("pid"), info.get("host"), info.get("job_id")))
-
-    async def _keep_worker(self, channel, info, w):
-        """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
-        self.joined_job_ids.add(info.get("job_id"))
-        if self.job_book is not None and info.get("job_id"):
-            await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
-        self.add_worker(w)
-        log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
-                 w.offered)
-        why, kind = "was lost (its connection closed)", RETRY_LOST
-        silent = []  # set by the silence watchdog
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_send_heartbeats, channel)
-
-                def on_silent():
-                    silent.append(True)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(_watch_silence, channel, on_silent)
-                try:  # inside the nursery, so a peer's error is not wrapped in a group
-                    await self._worker_messages(w, channel)
-                except PeerError as e:
-                    why = f"was dropped ({e})"
-                nursery.cancel_scope.cancel()
-        finally:
-            self.remove_worker(w)
-            if silent:
-                why = f"was lost (silent for {SILENT_S:g} s)"
-            if w.leaving:
-                why, kind = f"retired ({w.leaving})", RETRY_RETIRED
-            if w.jobs:
-                log.warning("worker %s %s with %d job(s) running; re-queueing them",
-                            w.name, why, len(w.jobs))
-            w.interrupt_all(kind, why)
-
-    async def _worker_messages(self, w, channel):
-        handlers = w.message_handlers()
-        while True:
-            if channel.has_pending_output and not channel.has_buffered_input:
-                await channel.flush()  # the jobs this batch of results let start
-            msg = await channel.receive()
-            if msg is None:
-                return
-            try:
-                handler = handlers[msg[0]]
-            except (KeyError, IndexError, TypeError):
-                raise PeerError(f"unknown message {msg!r:.60}") from None
-            handler(*msg[1:])
-
-    async def _serve_mission(self, channel, info, why=None):
+    async def serve_mission(self, channel, info, why=None):
         channel.send(("refused", why or f"the head at {self.listen} runs a mission of its own "
-                                        f"(pid {os.getpid()} on {_hostname()}), not a shared "
+                                        f"(pid {os.getpid()} on {hostname()}), not a shared "
                                         "head daemon; give this mission a different address, "
                                         "or local=..."))
-        channel.close_after_flush()
-        await channel.flushed.wait()
 
-    def _cli_handlers(self):
-        return {"stats": self._cli_stats, "quit": self._cli_quit}
-
-    async def _serve_cli(self, channel, cmd, *args):
-        handler = self._cli_handlers().get(cmd)
-        if handler is None:
-            reply = {"error": f"the head at {self.listen} (pid {os.getpid()}) runs a mission "
-                              f"in-process; `{cmd}` needs a head daemon (`grain.py head`)"
-                     if cmd in ("stop", "scale") else f"unknown command {cmd!r}"}
-        else:
-            try:
-                reply = handler(*args)
-            except (TypeError, ValueError) as e:
-                reply = {"error": f"{cmd}: {e}"}
-        channel.send(("reply", reply))
-        channel.close_after_flush()
-        await channel.flushed.wait()
-
-    def _cli_stats(self):
-        st = self.statistics()
-        workers = [{"name": w.name,
-                    "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
-                    "memory": (w.free.get("Memory", (0, 0))[0],
-                               w.total.get("Memory", (0, 0))[1]),
-                    "walltime": w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
-                    "running": w.running, "status": w.status, "where": w.where,
-                    "job_id": w.job_id}
-                   for w in st.workers]
-        return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
-                "queued": st.queued, "running": st.running,
-                "done": st.done, "failed": st.failed, "retried": st.retried,
-                "retried_by_class": dict(self.retried_by_class),
-                "failed_by_class": dict(self.failed_by_class),
-                "next": repr(st.next_request) if st.next_request is not None else None}
-
-    def _cli_quit(self, pattern, force):
-        done = []
-        for w in list(self.workers):
-            if not fnmatch.fnmatchcase(w.name, pattern):
-                continue
-            if w.channel is None:
-                done.append(f"{w.name}: the in-process worker cannot quit (skipped)")
-                continue
-            w.accepting = False
-            if force:
-                w.channel.send(("leave",))
-                done.append(f"{w.name}: leaving now; its {w.running} running job(s) will be "
-                            "re-queued")
-            else:
-                w.channel.send(("drain",))
-                done.append(f"{w.name}: takes no new jobs; leaves after its {w.running} "
-                            "running job(s)")
-        return {"done": done or [f"no worker matches {pattern!r}"]}
-
-    async def _watch_submitted_jobs(self):
-        """Report loudly, with its log's tail, a batch job that ended without its worker
-        ever joining (instead of leaving the mission waiting in silence)."""
-        system, book, custom = self.job_book
-        reported = set()
-        while True:
-            await trio.sleep(JOB_WATCH_S)
-            records = [r for r in book.waiting()
-                       if r["id"] not in self.joined_job_ids and r["id"] not in reported]
-            if not records:
-                continue
-            states = await trio.to_thread.run_sync(batch_states, system,
-                                                   [r["id"] for r in records], custom)
-            for r in records:
-                if states[r["id"]] == ENDED:
-                    reported.add(r["id"])
-                    self._warn_all(f"batch job {r['id']} ({r['name']}) ended without its "
-                                   f"worker ever joining; the end of its log {r['log']}:\n"
-                                   f"{_log_tail(r['log'])}")
-
-    def _warn_all(self, message):
-        """A warning for whoever runs missions here."""
-        log.warning("%s", message)
-
-    async def _say_goodbye(self, abort=False):
-        """FIN to every remote worker (or, when the mission failed, "leave now": no one will
-        read what they are still computing), and wait (a little) for it to go out."""
-        remote = [w for w in self.workers if w.channel is not None]
-        for w in remote:
-            w.channel.send(("leave",) if abort else ("fin",))
-            w.channel.close_after_flush()
-        with trio.move_on_after(5):
-            for w in remote:
-                await w.channel.flushed.wait()
-
-    # -- statistics -----------------------------------------------------------
-    def statistics(self):
-        running = sum(w.running for w in self.workers)
-        if self._zero_worker is not None:
-            running += self._zero_worker.running
-        heads = [q.jobs[0] for q in self._queues if q.jobs]
-        nxt = min(heads, key=lambda j: j.id).req if heads else None
-        return ExecutorStatistics(self._n_queued, running, self.counts["done"],
-                                  self.counts["failed"], self.counts["retried"],
-                                  [w.statistics() for w in self.workers], nxt)
+    def warn_all(self, text):
+        """A warning for whoever runs this mission."""
+        log.warning("%s", text)
 
     @property
     def results(self):
@@ -3328,10 +4530,11 @@ class GrainExecutor:
 
     async def _open(self):
         # The context modules first: they outlive the nursery where jobs run.
-        output = self._stack.enter_context(_routed_job_output(self.job_log))
-        context = await self._stack.enter_async_context(self.context()) if self.context else None
+        m = self.mission
+        output = self._stack.enter_context(_routed_job_output(m.job_log))
+        context = await self._stack.enter_async_context(m.context()) if m.context else None
         backendless = [await self._enter_backendless(module, res)
-                       for module, res in self.backendless]
+                       for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
@@ -3350,18 +4553,19 @@ class GrainExecutor:
         self._nursery.start_soon(self._watch_stuck)
         if self._remote and self.key is None:
             self.key = load_auth_key()
+        if self.listen or self.waddrs:
+            self.service = HeadService(self, self.listen, self.key, max_frame=self.max_frame,
+                                       job_book=m.job_book)
         if self.listen:
             try:
-                await self._nursery.start(self._serve)
+                await self._nursery.start(self.service.run)
             except (GrainError, BaseExceptionGroup) as e:
                 e = lone_exception(e)
-                if not (isinstance(e, GrainError) and self.listen_optional):
+                if not (isinstance(e, GrainError) and m.listen_optional):
                     raise e from None
                 log.warning("%s; this mission runs without accepting workers", e)
         for url in self.waddrs:
-            self._nursery.start_soon(self._dial_passive, url)
-        if self.job_book is not None:
-            self._nursery.start_soon(self._watch_submitted_jobs)
+            self._nursery.start_soon(self.service.dial_passive, url, self.rpw)
 
     async def _enter_backendless(self, module, res):
         """Start a backendless specialized worker here: (name, GVAR.context, resources)."""
@@ -3383,13 +4587,13 @@ class GrainExecutor:
             if etype is None:
                 await self.wait_all()
         finally:
-            self._closing = True
-            with trio.CancelScope(shield=True):
-                await self._say_goodbye(abort=etype is not None)
+            self.closing = True
+            if self.service is not None:
+                with trio.CancelScope(shield=True):
+                    await self.service.say_goodbye(abort=etype is not None)
             await self._close()
             self.elapsed = time.perf_counter() - self._t0
-            if not self.opaque:  # (a head daemon runs no jobs of its own)
-                log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
+            log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:
@@ -3418,29 +4622,10 @@ class GrainExecutor:
         return False
 
 
-class _GrainFormatter(logging.Formatter):
-    def format(self, record):
-        msg = record.getMessage()
-        if record.exc_info:
-            msg += "\n" + self.formatException(record.exc_info)
-        if record.levelno >= logging.WARNING:
-            return f"grain {record.levelname}: {msg}"
-        return msg
-
-
-def _default_logging():
-    """Give grain's logger a readable handler, unless the application configured logging."""
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(_GrainFormatter())
-    log.addHandler(handler)
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-
-
 ###############################################################################
 # Combine #####################################################################
+
+
 ###############################################################################
 # The "combine" front end (seed 000): waitgroups of jobs and subtasks, exec1 for one
 # job, run_combine as the entry point.
@@ -3600,11 +4785,10 @@ def run_combine(main, *executor_args, config_file=None, address=None, **executor
 
 def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, name,
                      prioritized):
-    """GrainExecutor arguments for a mission from the config (late binding: the config and
-    head daemon sections are further down). Its jobs go to the head daemon for the address
-    (started if none runs) unless it may not attach or asks for a head of its own: local
-    resources (``rpw``), passive workers, ``[head.gnaw] enabled = false``, or a specialized
-    worker type, whose jobs run in the mission."""
+    """GrainExecutor arguments for a mission, from the config. Its jobs go to the head
+    daemon for the address (started if none runs) unless it may not attach or asks for a
+    head of its own: local resources (``rpw``), passive workers, ``[head.gnaw] enabled =
+    false``, or a specialized worker type, whose jobs run in the mission."""
     head, worker = cfg.role("head"), cfg.role("worker")
     if address is None:
         address = head.listen
@@ -3617,24 +4801,24 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     if may_attach and address and not own_head:
         config = ["-c", cfg.path] if cfg.path else ["--no-config"]
         log_file = os.path.abspath(_stamp(head.daemon_log, time.time()))
-        return {"attach": functools.partial(attach_to_head, address, key,
-                                            self_argv("head", *config, "-a", address),
-                                            log_file),
-                "mission_info": {"name": name or os.path.basename(sys.argv[0]) or "python",
-                                 "pid": os.getpid(), "host": _hostname(),
-                                 "prioritized": bool(prioritized)}}
-    watch = worker.system in ("slurm", "pbs") and address
-    return {"listen": address or None, "listen_optional": True, "key": key,
-            "job_book": (worker.system, JobBook(worker.dial), worker.custom_system)
-            if watch else None,
-            "context": load_context(head.contextmod) if head.contextmod else None,
-            "job_log": os.path.abspath(_stamp(head.log_file, time.time()))
-            if head.log_file else None,
-            "backendless": backendless_workers(worker)}
+        return {"mission": MissionSetup(
+            attach=functools.partial(attach_to_head, address, key,
+                                     self_argv("head", *config, "-a", address), log_file),
+            info={"name": name or os.path.basename(sys.argv[0]) or "python",
+                  "pid": os.getpid(), "host": hostname(), "prioritized": bool(prioritized)})}
+    watch = worker.system and address  # jobs that end unjoined are reported
+    return {"listen": address or None, "key": key, "mission": MissionSetup(
+        listen_optional=True,
+        job_book=(worker.system, JobBook(worker.dial), worker.custom_system) if watch else None,
+        context=load_context(head.contextmod) if head.contextmod else None,
+        job_log=os.path.abspath(_stamp(head.log_file, time.time())) if head.log_file else None,
+        backendless=tuple(backendless_workers(worker)))}
 
 
 ###############################################################################
 # Delayed #####################################################################
+
+
 ###############################################################################
 # The "delayed" front end (seeds 001, 004). Calling a delayed function submits its
 # job at once and returns a Delayed: a placeholder that composes with operators,
@@ -3998,9 +5182,9 @@ async def QueueLimiter(conc):
 
     async with trio.open_nursery() as nursery:
         def limited(dfn):
-            async def submit(*args, **kwargs):
+            async def call(*args, **kwargs):
                 return await nursery.start(hold_slot, dfn, args, kwargs)
-            return submit
+            return call
         yield limited
 
 
@@ -4054,13 +5238,14 @@ def set_numpy_oneline_repr(on=True):
 
 
 ###############################################################################
-# The worker process ##########################################################
+# Worker process ##############################################################
+
+
 ###############################################################################
 # ``python grain.py worker --url URL``: one per node. It connects to a head (or, with
-# ``--listen``, waits for a head to dial it), registers its name and resources, runs
-# the jobs it is sent with GVAR set, and sends results back. It leaves cleanly when
-# the head says FIN, when its walltime is up, on SIGTERM/SIGINT (telling the head, so
-# its jobs are re-queued at once), or when it loses the head.
+# ``--listen``, waits for a head to dial it), registers its name and resources, runs the
+# jobs it is sent, and sends results back (WorkerProcess). What it offers comes from its
+# cpuset and memory limit, and its allocation's end: the batch system's, not 0..N-1.
 
 
 def _memory_gb():
@@ -4085,39 +5270,6 @@ def _memory_gb():
         except OSError:
             limit = 0
     return round((limit or 0) / 2 ** 30, 2)
-
-
-def _parse_ids(text):
-    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
-    ids = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        ids.extend(range(int(lo), int(hi or lo) + 1))
-    return ids
-
-
-def batch_cpu_ids(allowed):
-    """The cores the batch system gave this job, when its cpuset does not say so.
-
-    Under Slurm with TaskPlugin=task/none nothing is bound: every job's cpuset is the whole
-    node, and two workers on one node would both offer core 0. Slurm still knows which
-    cores it allocated to each job (``scontrol show job -d``: CPU_IDs, in Slurm's own
-    numbering, which matches the OS's on most nodes). Used only when the cpuset is the whole
-    node; None when there is nothing better to say."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job or len(allowed) != (os.cpu_count() or 0):
-        return None
-    try:
-        cp = subprocess.run(["scontrol", "show", "job", "-d", job], capture_output=True,
-                            text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    node = os.environ.get("SLURMD_NODENAME") or _hostname()
-    for nodes, ids in re.findall(r"Nodes=(\S+) CPU_IDs=([\d,-]+)", cp.stdout):
-        if nodes == node or len(re.findall(r"Nodes=", cp.stdout)) == 1:
-            chosen = [i for i in _parse_ids(ids) if i in set(allowed)]
-            return chosen or None
-    return None
 
 
 def worker_provider(req=None, oversubscribe=False):
@@ -4152,77 +5304,27 @@ def worker_provider(req=None, oversubscribe=False):
     return ResourceSet._of(parts)
 
 
-async def _accept_first(listeners, key):
-    """The first incoming stream that passes the handshake (we are the listener side).
-
-    Not trio.serve_listeners: it closes each stream when its handler returns, and this
-    stream must outlive the accept loop."""
-    send, receive = trio.open_memory_channel(1)
-
-    async def accept_from(listener):
-        while True:
-            stream = await listener.accept()
-            try:
-                await authenticate(stream, key, dialer=False)
-            except (PeerError, OSError, trio.BrokenResourceError) as e:
-                log.warning("refused a connection from %s: %s", _peer_name(stream), e)
-                await stream.aclose()
-                continue
-            try:
-                send.send_nowait(stream)
-            except trio.WouldBlock:
-                await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        for listener in listeners:
-            nursery.start_soon(accept_from, listener)
-        stream = await receive.receive()
-        nursery.cancel_scope.cancel()
-    return stream
-
-
-async def edge_connect(path, key):
-    """Reach the head through an Edge file: connect to a live listener, or record where we
-    listen and wait for the head to call us."""
-    edge = EdgeFile(path)
-    while True:
-        with edge.locked() as data:
-            record = data["listener"]
-        if EdgeFile.live(record):
-            stream = await _try_connect(_order_urls(record), key)
-            if stream is not None:
-                return stream
-            log.warning("the head recorded in %s does not answer; waiting for one", path)
-        elif record:
-            log.warning("Edge file %s holds a stale head record (pid %s on %s); waiting for "
-                        "a live head", path, record.get("pid"), record.get("host"))
-        did = os.urandom(8).hex()
-        sock_path = _edge_socket_path(path, f"worker-{did}")
-        tcp, urls = await open_listeners("tcp://:0")
-        unix = await _unix_listener(sock_path)
-        urls["unix"] = f"unix://{sock_path}"
-        try:
-            with edge.locked() as data:
-                if EdgeFile.live(data["listener"]) and data["listener"] != record:
-                    continue  # a head appeared meanwhile: connect to it instead
-                data["dialer"].append({"host": _hostname(), "did": did, "pid": os.getpid(),
-                                       "urls": urls})
-            log.info("waiting for a head to call (recorded in %s)", path)
-            return await _accept_first(tcp + [unix], key)
-        finally:
-            with trio.CancelScope(shield=True):  # clean up even when the wait was cancelled
-                for listener in tcp + [unix]:
-                    await listener.aclose()
-            with contextlib.suppress(OSError):
-                os.unlink(sock_path)
-            with contextlib.suppress(OSError):
-                with edge.locked() as data:
-                    data["dialer"] = [d for d in data["dialer"]
-                                      if not (isinstance(d, dict) and d.get("did") == did)]
+def _fit_allocation(provider):
+    """Inside a batch job, count down to the earlier of the configured walltime and the real
+    end of the allocation (less LEAVE_BEFORE_S), so the worker leaves before it is killed."""
+    left = allocation_end()
+    if left is None:
+        return provider
+    left = max(0.0, left - LEAVE_BEFORE_S)
+    parts = dict(provider._parts())
+    wt = parts.get("WTime")
+    if wt is None or wt.T is None or left < wt.remaining():
+        parts["WTime"] = WTime(T=left, countdown=True)
+        log.info("the batch system ends this allocation in %s; leaving %s before",
+                 format_walltime(left + LEAVE_BEFORE_S), format_walltime(LEAVE_BEFORE_S))
+    return ResourceSet._of(parts)
 
 
 class WorkerProcess:
-    """The worker's side of a connection to a head."""
+    """A worker's side of its connection to a head: it runs the jobs it is sent, each with
+    GVAR set, and sends their results back. It leaves when the head says FIN (after its
+    jobs), drain or leave, when its walltime is up, or on SIGTERM/SIGINT, telling the head
+    (which re-queues what still runs here); and when the head is gone."""
 
     def __init__(self, channel, res, name, context):
         self.channel = channel
@@ -4238,40 +5340,25 @@ class WorkerProcess:
         self.done = trio.Event()
 
     async def serve(self):
-        handlers = {"fn": self.on_function, "run": self.on_run, "ping": lambda: None,
-                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
-                    "cancel": self.on_cancel}
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(_send_heartbeats, self.channel)
             nursery.start_soon(self._watch_walltime)
             nursery.start_soon(self._watch_signals)
-            nursery.start_soon(self._receive_loop, handlers)
-            nursery.start_soon(_watch_silence, self.channel, self._on_silent_head)
+            nursery.start_soon(self._receive)
             await self.done.wait()
             nursery.cancel_scope.cancel()
 
-    async def _receive_loop(self, handlers):
-        while True:
-            try:
-                msg = await self.channel.receive()
-            except PeerError as e:
-                log.warning("%s", e)
-                msg = None
-            if msg is None:
-                if self.leave_after_jobs is None:  # a FIN, then EOF, is a normal goodbye
-                    log.warning("lost the head (connection closed); leaving")
-                self.done.set()
-                return
-            handler = handlers.get(msg[0]) if isinstance(msg, tuple) and msg else None
-            if handler is None:
-                log.warning("the head sent an unknown message %.60r; leaving", msg)
-                self.leave("it could not understand the head")
-                return
-            handler(*msg[1:])
-
-    def _on_silent_head(self):
-        log.warning("lost the head (silent for %g s); leaving", SILENT_S)
+    async def _receive(self):
+        handlers = {"fn": self.on_function, "run": self.on_run, "ping": _ignore,
+                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
+                    "cancel": self.on_cancel}
+        try:
+            await receive_all(self.channel, handlers)
+            if self.leave_after_jobs is None:  # a FIN, then EOF, is a normal goodbye
+                log.warning("lost the head (connection closed); leaving")
+        except PeerError as e:
+            log.warning("%s; leaving", e)
+            self.leave("it could not understand the head")
         self.done.set()
 
     def on_function(self, digest, data):
@@ -4368,22 +5455,6 @@ class WorkerProcess:
                 return
 
 
-def _fit_allocation(provider):
-    """Inside a batch job, count down to the earlier of the configured walltime and the real
-    end of the allocation (less LEAVE_BEFORE_S), so the worker leaves before it is killed."""
-    left = allocation_end()
-    if left is None:
-        return provider
-    left = max(0.0, left - LEAVE_BEFORE_S)
-    parts = dict(provider._parts())
-    wt = parts.get("WTime")
-    if wt is None or wt.T is None or left < wt.remaining():
-        parts["WTime"] = WTime(T=left, countdown=True)
-        log.info("the batch system ends this allocation in %s; leaving %s before",
-                 format_walltime(left + LEAVE_BEFORE_S), format_walltime(LEAVE_BEFORE_S))
-    return ResourceSet._of(parts)
-
-
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
                       key_path=None, max_frame=MAX_FRAME, oversubscribe=False, sworker=None):
     """Run a worker until it leaves. Returns the exit code. With ``sworker`` (a specialized
@@ -4391,11 +5462,10 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     head runs the jobs, with what it yielded."""
     key = load_auth_key(key_path)
     context = load_context(context_file, "--context") if context_file else None
-    # Its batch job, as the submit command named it: a custom system's template exports
-    # GRAIN_JOB_ID, so the head knows which submission has joined.
-    job_id = (os.environ.get("GRAIN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-              or os.environ.get("PBS_JOBID"))
-    name = name or (f"{_hostname()}-{job_id}" if job_id else _hostname())
+    # Its batch job, as the submit command named it, so the head knows which submission
+    # has joined.
+    job_id = batch_job()[1]
+    name = name or (f"{hostname()}-{job_id}" if job_id else hostname())
     if sworker is None:
         return await _worker_session(url, res, name, context, listen, key, max_frame,
                                      oversubscribe, job_id, None)
@@ -4407,815 +5477,62 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
                                      oversubscribe, job_id, {"type": sworker, "info": info})
 
 
-async def _worker_session(url, res, name, context, listen, key, max_frame, oversubscribe,
-                          job_id, sworker):
-    provider = None
+async def _reach_head(url, listen, key, provider):
+    """The stream to the head: dialled (through an Edge file: whichever starts first), or,
+    with ``listen``, the head's call. A worker in a batch job waits no longer than its
+    walltime: one that started after its mission ended must not sit on the allocation."""
     if listen:
         listeners, urls = await open_listeners(listen)
-        log.info("worker %s waiting for a head to dial %s", name, ", ".join(urls.values()))
-        stream = await _accept_first(listeners, key)
-        for listener in listeners:
-            await listener.aclose()
-    else:
-        provider = _fit_allocation(worker_provider(res, oversubscribe))
-        wt = _part(provider, "WTime")
-        # A worker in a batch job waits for a head no longer than its walltime: one that
-        # started after its mission ended must not sit on the allocation.
-        with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
+        log.info("waiting for a head to dial %s", ", ".join(urls.values()))
+        return await accept_one(listeners, key)
+    wt = _part(provider, "WTime")
+    with trio.move_on_after(wt.remaining() if wt is not None else math.inf):
+        try:
+            return await connect(url, key, wait=True)
+        except (Unreachable, OSError, PeerError) as e:
+            raise GrainError(f"cannot reach a head at {url}: {e}") from None
+    log.warning("no head came within this worker's walltime; leaving")
+    return None
+
+
+async def _worker_session(url, res, name, context, listen, key, max_frame, oversubscribe,
+                          job_id, sworker):
+    provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
+    stream = await _reach_head(url, listen, key, provider)
+    if stream is None:
+        return 0
+    async with open_channel(stream, _peer_name(stream), max_frame=max_frame) as channel:
+        if listen:  # a passive worker offers what the head that dialled it assigns
             try:
-                if parse_url(url)[0] == "edge":
-                    stream = await edge_connect(parse_url(url)[2], key)
-                else:
-                    stream = await open_stream(url)
-                    await authenticate(stream, key, dialer=True)
-            except (OSError, PeerError) as e:
-                raise GrainError(f"cannot reach a head at {url}: {e}") from None
-        if waiting.cancelled_caught:
-            log.warning("no head came within this worker's walltime; leaving")
-            return 0
-    channel = Channel(stream, max_frame, _peer_name(stream))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(channel.run_writer)
-        if listen:
-            first = await channel.receive()
-            if not (isinstance(first, tuple) and first[:1] == ("assign",)):
-                raise GrainError(f"the head sent {first!r:.60} instead of an assignment")
-            provider = _fit_allocation(worker_provider(first[1], oversubscribe))
+                assigned = dispatch({"assign": lambda res: res}, await channel.receive(),
+                                    "the head")
+            except PeerError as e:
+                raise GrainError(f"{e} instead of an assignment") from None
+            provider = _fit_allocation(worker_provider(assigned, oversubscribe))
         channel.send(("register", {"name": name, "res": provider, "pid": os.getpid(),
-                                   "host": _hostname(), "job_id": job_id,
-                                   "sworker": sworker}))
+                                   "host": hostname(), "job_id": job_id, "sworker": sworker}))
         log.info("worker %s registered with %r", name, provider)
-        if context is not None:
-            async with context() as value:
-                await WorkerProcess(channel, provider, name, value).serve()
-        else:
-            await WorkerProcess(channel, provider, name, None).serve()
-        channel.close_after_flush()
-        with trio.move_on_after(5):
-            await channel.flushed.wait()
-        nursery.cancel_scope.cancel()
-    await channel.aclose()
+        async with contextlib.AsyncExitStack() as stack:
+            value = await stack.enter_async_context(context()) if context else None
+            await WorkerProcess(channel, provider, name, value).serve()
+    if channel.silent:
+        log.warning("lost the head (silent for %g s); leaving", SILENT_S)
     return 0
 
 
-async def _connect_head(address, key):
-    """An authenticated stream to the head listening at ``address``, or None."""
-    scheme, _, where = parse_url(address)
-    if scheme == "edge":
-        with EdgeFile(where).locked() as data:
-            record = data["listener"]
-        if not EdgeFile.live(record):
-            return None
-        return await _try_connect(_order_urls(record), key)
-    return await _try_connect([address], key)
-
-
-async def cli_request(address, key, *msg):
-    """Send one command to the head at ``address``; its reply, or None if none answers."""
-    with trio.move_on_after(CLI_TIMEOUT_S):
-        stream = await _connect_head(address, key)
-        if stream is None:
-            return None
-        channel = Channel(stream)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(channel.run_writer)
-            channel.send(("cli", *msg))
-            reply = await channel.receive()
-            nursery.cancel_scope.cancel()
-        await channel.aclose()
-        return reply[1] if reply else None
-    return None
-
-
-def default_address():
-    return f"edge://{os.path.join(os.path.expanduser('~'), '.local', 'share', 'edge-file-default')}"
-
-
-def format_ls(stats):
-    """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
-    rows = [("WORKER", "CORES free/total", "MEMORY free/total", "WALLTIME", "RUNNING",
-             "STATUS", "WHERE")]
-    tc = [0, 0]
-    tm = [0.0, 0.0]
-    running = 0
-    for w in stats["workers"]:
-        tc = [tc[0] + w["cores"][0], tc[1] + w["cores"][1]]
-        tm = [tm[0] + w["memory"][0], tm[1] + w["memory"][1]]
-        running += w["running"]
-        rows.append((w["name"], f"{w['cores'][0]}/{w['cores'][1]}",
-                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB",
-                     "-" if w["walltime"] is None else format_walltime(w["walltime"]),
-                     str(w["running"]), w["status"], w["where"]))
-    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB", "", str(running),
-                 f"{len(stats['workers'])} worker(s)", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    def by_class(counts):
-        inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-        return f" ({inner})" if inner else ""
-
-    lines.append("")
-    lines.append(f"jobs: {stats['queued']} queued, {stats['running']} running, "
-                 f"{stats['done']} done, {stats['failed']} failed"
-                 f"{by_class(stats['failed_by_class'])}, {stats['retried']} retried"
-                 f"{by_class(stats['retried_by_class'])}")
-    if stats["next"]:
-        lines.append(f"next pending job requests {stats['next']}")
-    if "missions" in stats:
-        lines += ["", f"missions: {len(stats['missions'])} attached"]
-        for m in stats["missions"]:
-            first = " (prioritized)" if m["prioritized"] else ""
-            lines.append(f"  {m['name']} on {m['host']}{first}: "
-                         f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
-                         f"{m['failed']} failed")
-    sw = stats.get("swarm")
-    if sw is not None:
-        pending = ", ".join(sw["pending"]) or "none"
-        lines.append(f"swarm: target {sw['target']}, {sw['joined']} joined, "
-                     f"{len(sw['pending'])} submitted not joined ({pending}); quota "
-                     f"{sw['used']}/{sw['quota']} per {format_walltime(sw['window'])}")
-        if sw["note"]:
-            lines.append(f"swarm: {sw['note']}")
-    return "\n".join(lines)
-
-
 ###############################################################################
-# Config and cluster scripts ##################################################
-###############################################################################
-# grain.toml, parsed into frozen dataclasses: top-level keys may be overridden in
-# [head] or [worker], and [script] key by key in [head.script] or [worker.script];
-# ``Config.role("worker")`` gives the merged view. Job scripts are rendered by a
-# pure function (render_script) from one SYSTEMS table; submit() runs the batch
-# system's command and checks what it says. Every submitted job is recorded in a
-# small JSON file beside the Edge file, so `ls` and `down` find them even after a
-# head crashed.
+# Head daemon #################################################################
 
-class ConfigError(UsageError):
-    """grain.toml is malformed, or a key has the wrong type or value."""
 
-
-def parse_duration(value, what):
-    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, a number, or ``[d-]hh:mm:ss``."""
-    if isinstance(value, str):
-        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$", value)
-        if m:
-            return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    try:
-        return parse_walltime(value, what)
-    except ValueError:
-        raise ValueError(f"{what}: expected a duration such as 90s, 30m, 2h or hh:mm:ss, "
-                         f"got {value!r}") from None
-
-
-def _want_str(v):
-    if not isinstance(v, str):
-        raise TypeError("a string")
-    return v
-
-
-def _want_bool(v):
-    if not isinstance(v, bool):
-        raise TypeError("true or false")
-    return v
-
-
-def _want_positive_int(v):
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise TypeError("a positive whole number")
-    return v
-
-
-def _want_count(v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TypeError("a whole number >= 0")
-    return v
-
-
-def _want_gb(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-        raise TypeError("a number of GB >= 0 (0: do not ask)")
-    return v
-
-
-def _want_walltime(v):
-    if v == "":
-        return v  # do not ask the batch system for a walltime
-    try:
-        parse_walltime(v)
-    except ValueError:
-        raise TypeError("a walltime [d-]hh:mm:ss (\"\": do not ask)") from None
-    return v if isinstance(v, str) else format_walltime(v)
-
-
-def _want_queue(v):
-    # upstream's examples write queue = "''" for "the default queue"
-    return "" if _want_str(v) in ("''", '""') else v
-
-
-def _want_duration(v):
-    try:
-        return parse_duration(v, "duration")
-    except ValueError:
-        raise TypeError("a duration such as 90s, 30m or 2h") from None
-
-
-def _want_str_list(v):
-    if isinstance(v, str):
-        return (v,)
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise TypeError("a list of strings")
-    return tuple(v)
-
-
-def _want_system(v):
-    if v not in SYSTEMS and v != "":
-        raise TypeError(f"one of {', '.join(repr(s) for s in SYSTEMS)} (or \"\" for none)")
-    return v
-
-
-def _want_resources(v):
-    if not isinstance(v, dict):
-        raise TypeError("a table of resources, e.g. { Token = { token = \"gpu\" } }")
-    try:
-        Resource.from_dict(v)
-    except ValueError as e:
-        raise TypeError(f"resources in the dict form ({e})") from None
-    return dict(v)
-
-
-@dataclass(frozen=True)
-class ScriptSettings:
-    """What a job script asks of the batch system, and how it sets up and cleans up."""
-    shebang: str = "#!/bin/bash"
-    queue: str = ""
-    walltime: str = ""   # "", 0: do not ask the batch system for it (its default applies)
-    cores: int = 0
-    memory: float = 0    # GB
-    extra_args: tuple = ()
-    setup_cleanup: str = ""
-    python: str = ""  # "" = the interpreter running `up`
-
-
-@dataclass(frozen=True)
-class CustomSystem:
-    submit_cmd: str = ""
-    directive: str = "#$"
-    template: str = ""
-    status_cmd: str = ""   # + job id; exit 0 while the job is queued or running
-    cancel_cmd: str = ""   # + job id
-
-
-@dataclass(frozen=True)
-class RoleSettings:
-    """The merged settings of one role (head or worker)."""
-    role: str
-    system: str = ""
-    address: str = ""
-    auth_key: str = ""
-    contextmod: str = ""
-    name: str = ""
-    log_file: str = ""
-    script: ScriptSettings = field(default_factory=ScriptSettings)
-    custom_system: CustomSystem = field(default_factory=CustomSystem)
-    # [head]; log_file there is where the mission's local worker prints
-    main_log_file: str = ""       # the head job's log (`start`)
-    listen: str = ""
-    cmd: str = ""
-    idle_quit: float = 1800.0
-    swarm: int = 0
-    swarm_quota: int = 0          # submissions per swarm_window; 0 = 2 x swarm
-    swarm_window: float = 600.0
-    gnaw_enabled: bool = True     # [head.gnaw] enabled: missions share a head daemon
-    daemon_log: str = "grain-head-{{HHMMSS}}.log"   # [head.gnaw] log_file
-    max_missions: int = 8         # [head.gnaw] max_conn
-    daemon_extra_args: tuple = ()  # [head.gnaw] extra_args: flags of upstream's Go daemon
-    # [worker]
-    dial: str = ""
-    cli_dial: str = ""
-    res: dict = field(default_factory=dict)
-    specialized_type: str = ""    # a module: see the specialized workers in the README
-
-
-_COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
-                "contextmod": _want_str}
-_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
-                "cores": _want_count, "memory": _want_gb,
-                "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
-_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str,
-                "status_cmd": _want_str, "cancel_cmd": _want_str,
-                "directory": _want_str}  # upstream's name for directive
-# [head.gnaw], upstream's Go daemon, as our head daemon: key -> RoleSettings field
-_GNAW_KEYS = {"enabled": ("gnaw_enabled", _want_bool), "log_file": ("daemon_log", _want_str),
-              "max_conn": ("max_missions", _want_positive_int),
-              "idle_quit": ("idle_quit", _want_duration), "swarm": ("swarm", _want_count),
-              "extra_args": ("daemon_extra_args", _want_str_list)}
-_ROLE_KEYS = {
-    "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
-             "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
-             "swarm": _want_count, "swarm_quota": _want_count,
-             "swarm_window": _want_duration},
-    "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
-               "cli_dial": _want_str, "res": _want_resources,
-               "specialized_type": _want_str},
-}
-_ROLE_DEFAULTS = {
-    "head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
-    "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
-}
-
-
-@dataclass(frozen=True)
-class Config:
-    """A parsed grain.toml (or the defaults). ``path`` is None for the defaults."""
-    path: str = None
-    raw: dict = field(default_factory=dict)
-
-    def role(self, role):
-        """The settings of ``role`` ("head" or "worker"), every override applied."""
-        top, sect = self.raw, self.raw.get(role, {})
-        values = dict(_ROLE_DEFAULTS[role])
-        for key in _COMMON_KEYS:
-            if key in sect:
-                values[key] = sect[key]
-            elif key in top:
-                values[key] = top[key]
-        values.update({_GNAW_KEYS[k][0]: v for k, v in sect.get("gnaw", {}).items()
-                       if v != ""})  # ([head.gnaw] log_file = "": our default file)
-        values.update({k: v for k, v in sect.items() if k in _ROLE_KEYS[role]})
-        script = {**top.get("script", {}), **sect.get("script", {})}
-        values["script"] = ScriptSettings(**script)
-        custom = dict(top.get("custom_system", {}))
-        directory = custom.pop("directory", None)
-        values["custom_system"] = CustomSystem(**custom) if directory is None or \
-            "directive" in custom else CustomSystem(directive=directory, **custom)
-        for key in ("address", "auth_key", "contextmod", "listen", "dial", "cli_dial",
-                    "log_file", "main_log_file", "daemon_log"):
-            if isinstance(values.get(key), str):  # "$HOME/..." and "~/..." mean what they say
-                values[key] = os.path.expanduser(os.path.expandvars(values[key]))
-        s = RoleSettings(role=role, **values)
-        address = s.address or default_address()
-        dial = s.dial or address
-        s = replace(s, address=address, listen=s.listen or address, dial=dial,
-                    cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path())
-        if not s.script.python:
-            s = replace(s, script=replace(s.script, python=sys.executable))
-        return s
-
-
-def _check_table(data, schema, where, path, sub=()):
-    out = {}
-    for key, value in data.items():
-        name = f"{where}.{key}" if where else key
-        if key in sub:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}: [{name}] must be a table")
-            continue
-        check = schema.get(key)
-        if check is None:
-            known = sorted(list(schema) + list(sub))
-            raise ConfigError(f"{path}: unknown key {name!r} (known here: {', '.join(known)})")
-        try:
-            out[key] = check(value)
-        except TypeError as e:
-            raise ConfigError(f"{path}: {name}: expected {e}, got {value!r}") from None
-    return out
-
-
-def parse_config(text, path="grain.toml"):
-    """A Config from TOML text; ConfigError names the file, the key (or line and column)
-    and what was expected."""
-    if tomllib is None:
-        raise ConfigError(f"{path}: reading TOML on Python < 3.11 needs tomli "
-                          "(`python -m pip install tomli`, or use grain.pyz)")
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
-    raw = _check_table(data, _COMMON_KEYS, "", path,
-                       sub=("script", "custom_system", "head", "worker"))
-    if "script" in data:
-        raw["script"] = _check_table(data["script"], _SCRIPT_KEYS, "script", path)
-    if "custom_system" in data:
-        raw["custom_system"] = _check_table(data["custom_system"], _CUSTOM_KEYS,
-                                            "custom_system", path)
-    for role in ("head", "worker"):
-        if role in data:
-            subs = ("script", "gnaw") if role == "head" else ("script",)
-            sect = _check_table(data[role], {**_COMMON_KEYS, **_ROLE_KEYS[role]}, role, path,
-                                sub=subs)
-            if "script" in data[role]:
-                sect["script"] = _check_table(data[role]["script"], _SCRIPT_KEYS,
-                                              f"{role}.script", path)
-            if "gnaw" in data[role]:
-                sect["gnaw"] = _check_table(data[role]["gnaw"],
-                                            {k: check for k, (_, check) in _GNAW_KEYS.items()},
-                                            "head.gnaw", path)
-            raw[role] = sect
-    return Config(path=path, raw=raw)
-
-
-def find_config_path(config_file=None):
-    """``-c PATH``, else $GRAIN_CONFIG, else ./grain.toml; None when none exists."""
-    if config_file:
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"config file {config_file} does not exist")
-        return os.path.abspath(config_file)
-    env = os.environ.get("GRAIN_CONFIG")
-    if env:
-        if not os.path.isfile(env):
-            raise ConfigError(f"GRAIN_CONFIG={env}: no such file")
-        return os.path.abspath(env)
-    return os.path.abspath("grain.toml") if os.path.isfile("grain.toml") else None
-
-
-def load_config(config_file=None):
-    """The config for ``config_file`` (a path, None to look for one, False for defaults)."""
-    if config_file is False:
-        log.info("Config file is disabled, using default settings.")
-        return Config()
-    path = find_config_path(config_file)
-    if path is None:
-        log.info("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
-        return Config()
-    with open(path, encoding="utf-8") as f:
-        return parse_config(f.read(), path)
-
-
-# -- job scripts ---------------------------------------------------------------
-
-def _pbs_walltime(seconds):
-    s = int(seconds)
-    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-# The batch systems: the directive prefix, the lines it gets, the submit and cancel
-# commands, and how to read a job id out of what the submit command prints.
-SYSTEMS = {
-    "slurm": {
-        "directive": "#SBATCH",
-        "lines": lambda s, name, log: [
-            f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
-            *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
-            *([f"--mem={max(1, int(s.memory * 1024))}M"] if s.memory else []),
-            *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
-            *([f"-o {log}"] if log else [])],
-        "prologue": "",
-        "submit": ["sbatch", "--parsable"],
-        "cancel": ["scancel"],
-        "hint": "is this a Slurm login node?",
-    },
-    "pbs": {
-        "directive": "#PBS",
-        "lines": lambda s, name, log: [
-            f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
-            f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
-            *([f"-l walltime={_pbs_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
-            *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
-            "-j oe", *([f"-o {log}"] if log else [])],
-        "prologue": "cd \"$PBS_O_WORKDIR\"",
-        "submit": ["qsub"],
-        "cancel": ["qdel"],
-        "hint": "is this a PBS/Torque login node?",
-    },
-    "custom": {"directive": None, "lines": None, "prologue": "", "submit": None,
-               "cancel": None, "hint": "check custom_system.submit_cmd"},
-}
-
-
-def _stamp(text, when, seq=0):
-    """``text`` with ``{{HHMMSS}}`` as the time ``when``; the ``seq``-th submission of the same
-    second (``up -n 100``) gets a suffix, so that names and logs stay distinct."""
-    return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when))
-                        + (f"-{seq}" if seq else ""))
-
-
-def _setup_and_cleanup(text):
-    """(setup lines, cleanup lines in the order they must run)."""
-    setup, cleanup = [], []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("defer "):
-            cleanup.insert(0, stripped[len("defer "):])
-        else:
-            setup.append(stripped)
-    return setup, cleanup
-
-
-def worker_resources(s):
-    """The dict form of what a worker of settings ``s`` offers: cores, memory x 14/15 and
-    walltime minus LEAVE_BEFORE_S as a countdown, each only if the script asks for it
-    (else the worker offers what it finds), merged with ``worker.res``."""
-    res = {}
-    if s.script.cores:
-        res["Cores"] = {"N": s.script.cores}
-    if s.script.memory:
-        res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
-    if s.script.walltime:
-        left = max(60, parse_walltime(s.script.walltime) - LEAVE_BEFORE_S)
-        res["WTime"] = {"T": format_walltime(left), "countdown": True}
-    if "Node" in s.res:  # upstream's form: Cores and Memory in one
-        res.pop("Cores", None)
-        res.pop("Memory", None)
-    res.update(s.res)
-    return res
-
-
-def specialized_module(s):
-    """The module of ``worker.specialized_type`` and whether it is backendless, or
-    (None, False) when the config names none."""
-    if not s.specialized_type:
-        return None, False
-    module = load_module(s.specialized_type, "worker.specialized_type")
-    config = getattr(module, "GRAIN_SWORKER_CONFIG", None)
-    if not isinstance(config, dict):
-        raise ConfigError(f"worker.specialized_type {s.specialized_type}: the module has no "
-                          "GRAIN_SWORKER_CONFIG dict")
-    return module, bool(config.get("BACKENDLESS"))
-
-
-def backendless_workers(s):
-    """``[(module, resources)]`` for a backendless specialized worker type (it runs in the
-    mission: there is no worker process to start), else []."""
-    module, backendless = specialized_module(s)
-    return [(module, Resource.from_dict(worker_resources(s)))] if backendless else []
-
-
-def worker_command(s, grain_path=None):
-    """The worker line of a worker job script: the same grain.py under ``script.python``,
-    offering worker_resources(s)."""
-    argv = boot_argv(s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
-                     "--res", json.dumps(worker_resources(s), separators=(",", ":")))
-    if s.contextmod:
-        argv += ["--context", os.path.abspath(s.contextmod)]
-    if s.specialized_type:
-        argv += ["--sworker", s.specialized_type]
-    if s.auth_key:
-        argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
-    return " ".join(shlex.quote(a) for a in argv)
-
-
-def _template_fields(s, name, log_file, setup, cleanup, directive):
-    """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...)."""
-    script = types.SimpleNamespace(
-        **{f: getattr(s.script, f) for f in ScriptSettings.__dataclass_fields__},
-        extra_args_str="\n".join(f"{directive} {a}" for a in s.script.extra_args),
-        setup="\n".join(setup), cleanup="\n".join(cleanup),
-        res_str=json.dumps(worker_resources(s)))
-    fields = {f: getattr(s, f) for f in RoleSettings.__dataclass_fields__}
-    return types.SimpleNamespace(**dict(fields, name=name, log_file=log_file, script=script))
-
-
-def render_script(s, main, when=None, seq=0):
-    """The job script for role settings ``s`` running the shell command ``main``: a
-    SYSTEMS one, or ``custom_system.template`` when there is one (with ``system`` "custom",
-    or, as upstream, any other system it then stands in for)."""
-    when = time.time() if when is None else when
-    name = _stamp(s.name, when, seq)
-    log_file = os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else ""
-    setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
-    body = []
-    if cleanup:
-        # Deferred lines run in reverse order when the script exits, even when the worker
-        # failed or the batch system sent SIGTERM (turned into a normal exit by the trap).
-        body += ["grain_cleanup() {", *[f"  {c}" for c in cleanup], "}",
-                 "trap grain_cleanup EXIT", "trap 'exit 143' TERM INT"]
-    body = "\n".join(body + setup + [main])
-    c = s.custom_system
-    if s.system == "custom" or c.template:
-        if not c.template:
-            raise ConfigError("system = \"custom\" needs custom_system.template")
-        template = _stamp(c.template, when, seq)
-        # upstream's {{MAIN}}: our body, its braces escaped for the format below
-        template = template.replace("{{MAIN}}", body.replace("{", "{{").replace("}", "}}"))
-        directives = [f"{c.directive} {a}" for a in s.script.extra_args]
-        try:
-            return template.format(
-                name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
-                walltime=s.script.walltime, log_file=log_file,
-                directives="\n".join(directives), main=body,
-                c=_template_fields(s, name, log_file, setup, cleanup, c.directive))
-        except (KeyError, AttributeError, IndexError, ValueError) as e:
-            raise ConfigError(f"custom_system.template: cannot fill it in: "
-                              f"{type(e).__name__}: {e}") from None
-    spec = SYSTEMS.get(s.system)
-    if spec is None:  # no batch system: the script alone, to read (`up --dry`)
-        return f"{s.script.shebang}\n{body}\n"
-    d = spec["directive"]
-    lines = [s.script.shebang]
-    lines += [f"{d} {x}" for x in spec["lines"](s.script, name, log_file)]
-    lines += [f"{d} {x}" for x in s.script.extra_args]
-    if spec["prologue"]:
-        lines.append(spec["prologue"])
-    return "\n".join(lines + [body]) + "\n"
-
-
-class JobBook:
-    """The jobs grain submitted for one address: JSON lines in a file beside the Edge file
-    (or in ~/.local/share/grain for tcp/unix addresses), changed under a flock because
-    `up`, `down` and heads write it concurrently."""
-
-    def __init__(self, address):
-        scheme, host, where = parse_url(address)
-        if scheme == "edge":
-            self.path = where + ".jobs"
-        else:
-            tag = hashlib.sha1(address.encode()).hexdigest()[:12]
-            self.path = os.path.join(os.path.dirname(default_key_path()), f"jobs-{tag}")
-
-    @contextlib.contextmanager
-    def _locked(self):
-        import fcntl
-
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def records(self):
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except FileNotFoundError:
-            return []
-        except ValueError as e:
-            log.warning("job records %s are corrupt (%s); ignoring them", self.path, e)
-            return []
-
-    def add(self, record):
-        with self._locked():
-            atomic_write(self.path, "".join(json.dumps(r) + "\n"
-                                            for r in self.records() + [record]).encode())
-
-    def update(self, change):
-        """Rewrite the records through ``change(records) -> records``."""
-        with self._locked():
-            records = self.records()
-            new = change(records)
-            if new != records:
-                atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in new).encode())
-
-    def mark_joined(self, job_id):
-        self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
-
-    def waiting(self):
-        """Worker jobs whose worker has not joined (yet)."""
-        return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
-
-
-def _run_command(argv, what, hint, stdin=None):
-    try:
-        cp = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise GrainError(f"{argv[0]}: command not found — {hint} set system = ... in "
-                         "grain.toml") from None
-    if cp.returncode != 0:
-        msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
-        raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
-    return cp.stdout
-
-
-def _submit_argv(s):
-    """The command that submits a job script for settings ``s``."""
-    c = s.custom_system
-    if c.submit_cmd and (s.system == "custom" or c.template):
-        return shlex.split(c.submit_cmd)
-    if s.system == "custom":
-        raise ConfigError("system = \"custom\" needs custom_system.submit_cmd")
-    if s.system not in SYSTEMS:
-        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
-                          "\"custom\" in grain.toml")
-    return list(SYSTEMS[s.system]["submit"])
-
-
-def submit(s, script, extra_args=(), role="worker", when=None, seq=0):
-    """Submit ``script`` to the batch system of role settings ``s``; returns the job id and
-    records it."""
-    when = time.time() if when is None else when
-    argv = _submit_argv(s)
-    scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
-    os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
-                                     f"-{os.urandom(3).hex()}.sh")
-    atomic_write(path, script.encode(), mode=0o700)
-    out = _run_command(argv + list(extra_args) + [path], "submission",
-                       SYSTEMS[s.system]["hint"])
-    job_id = (out.strip().split() or ["?"])[-1].split(";")[0]
-    JobBook(s.dial if role == "worker" else s.listen).add({
-        "id": job_id, "system": s.system, "role": role, "name": _stamp(s.name, when, seq),
-        "log": os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else "",
-        "script": path, "submitted": when})
-    return job_id
-
-
-ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch_states for a job that ended / that nobody knows
-
-
-def _slurm_states(ids):
-    cp = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
-                        capture_output=True, text=True, timeout=30)
-    if cp.returncode != 0:  # squeue refuses a lone id it does not know; else it failed
-        return dict.fromkeys(ids, ENDED if "Invalid job id" in cp.stderr else UNKNOWN)
-    listed = dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
-    return {i: listed.get(i, ENDED) for i in ids}
-
-
-def _pbs_state(job_id):
-    cp = subprocess.run(["qstat", "-f", job_id], capture_output=True, text=True, timeout=30)
-    if cp.returncode == 153 or "Unknown Job" in cp.stderr:  # PBS's "no such job"
-        return ENDED
-    m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
-    if cp.returncode != 0 or not m:
-        return UNKNOWN
-    state = m.group(1)
-    return ENDED if state in ("C", "F") else {"Q": "PENDING", "R": "RUNNING",
-                                              "H": "HELD"}.get(state, state)
-
-
-def batch_states(system, ids, custom=None):
-    """``{job id: state}`` for each of ``ids``: what the batch system says, ENDED for a job
-    it does not know (any more), UNKNOWN when it could not be asked (a busy or restarting
-    controller is common): a failed query never means that a job ended. A custom system
-    is asked through ``custom.status_cmd`` (exit 0: alive), if it has one."""
-    if not ids:
-        return {}
-    try:
-        if system == "custom" and custom is not None and custom.status_cmd:
-            cmd = shlex.split(custom.status_cmd)
-            return {i: "ALIVE" if subprocess.run(cmd + [i], capture_output=True,
-                                                 timeout=30).returncode == 0 else ENDED
-                    for i in ids}
-        if system == "slurm":
-            return _slurm_states(ids)
-        if system == "pbs":
-            return {i: _pbs_state(i) for i in ids}
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("could not ask the batch system about job(s) %s: %s", ", ".join(ids), e)
-    return dict.fromkeys(ids, UNKNOWN)
-
-
-def _log_tail(path, n=10):
-    try:
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()[-n:]
-    except OSError:
-        return f"(no log file at {path or 'an unknown place'})"
-    return "\n".join("    " + line for line in lines) or "    (the log is empty)"
-
-
-def allocation_end():
-    """Seconds left in this batch job's allocation, asked of the batch system; None outside
-    a batch job or when it cannot tell."""
-    try:
-        if os.environ.get("SLURM_JOB_ID"):
-            cp = subprocess.run(["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"],
-                                capture_output=True, text=True, timeout=20)
-            end = cp.stdout.strip()
-            if cp.returncode == 0 and re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", end):
-                return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - time.time()
-        elif os.environ.get("PBS_JOBID"):
-            cp = subprocess.run(["qstat", "-f", os.environ["PBS_JOBID"]], capture_output=True,
-                                text=True, timeout=20)
-            m = re.search(r"Walltime\.Remaining\s*=\s*(\d+)", cp.stdout)
-            if m:
-                return float(m.group(1))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass
-    return None
-
-
-###############################################################################
-# The head daemon #############################################################
 ###############################################################################
 # ``python grain.py head``: the scheduler on its own, shared by every mission with the
-# same address, so workers outlive a mission and serve the next one. Missions on this
-# host attach over a per-user Unix socket (missions elsewhere through the address);
-# each hands over jobs as a resource request plus pickled bytes, which the daemon
-# never opens: user code and results are only ever unpickled in missions and workers.
-# The daemon keeps one JobQueue per mission (the executor's _pump serves them fairly),
-# cancels a mission's running jobs when it goes away, quits after head.idle_quit with
-# no mission, and keeps head.swarm workers submitted when asked to.
-
-HEAD_START_S = 20.0    # how long a mission waits for the head daemon it started to answer
-SWARM_CHECK_S = 1.0    # how often the daemon compares its swarm with the target
-SWARM_STATES_S = 5.0   # ... and asks the batch system about jobs that have not joined
-
-
-def mission_socket_path(address):
-    """Where the head daemon for ``address`` takes missions on this host: a Unix socket in
-    /tmp/grain-<uid> (mode 0700; short, and the same for every login and batch job)."""
-    base = f"/tmp/grain-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(base, 0o700)
-    st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise GrainError(f"{base} must be a directory of yours that only you can read (mode "
-                         "0700): it holds the head daemon's socket; remove it or chmod 700 it")
-    return os.path.join(base, f"head-{hashlib.sha1(address.encode()).hexdigest()[:16]}.sock")
+# same address, so workers outlive a mission and serve the next one. It is made of the
+# pieces above -- a Scheduler with one JobQueue per mission, a HeadService for workers,
+# the CLI and missions (those on this host also reach it on a Unix socket), Retries for
+# lost workers -- and never opens what missions send: jobs and results pass through as
+# the missions and workers pickled them, so no user code runs here. It cancels a
+# mission's running jobs when it goes away, quits after head.idle_quit with no mission,
+# and keeps head.swarm workers submitted when asked to.
 
 
 class _OpaqueFunction:
@@ -5261,6 +5578,7 @@ class SwarmKeeper:
         self.submitted = deque()     # times of recent submissions
         self.pending = {}            # batch job id -> submission time, until it joins or ends
         self.note = ""               # why it is not at target, for `ls`
+        self.changed = None          # set to look again at once (a worker left, `scale`)
 
     @property
     def quota(self):
@@ -5279,96 +5597,179 @@ class SwarmKeeper:
                 "quota": self.quota, "window": self.window,
                 "used": len(self.submitted), "note": self.note}
 
+    async def run(self, joined):
+        """Submit worker jobs while ``joined()`` plus the pending ones fall short of the
+        target, within the quota; forget pending jobs the batch system says ended."""
+        last_states = -math.inf
+        while True:
+            self.changed = trio.Event()
+            with trio.move_on_after(SWARM_CHECK_S):
+                await self.changed.wait()
+            now = trio.current_time()
+            if self.pending and now - last_states >= SWARM_STATES_S:
+                last_states = now
+                states = await trio.to_thread.run_sync(
+                    batch_states, self.settings.system, list(self.pending),
+                    self.settings.custom_system)
+                for batch_id in list(self.pending):
+                    if states[batch_id] == ENDED:
+                        log.warning("worker job %s ended without joining", batch_id)
+                        del self.pending[batch_id]
+            if self.target - joined() - len(self.pending) > 0:
+                await self._submit_one(joined())
+            else:
+                self.note = ""
 
-class HeadDaemon(GrainExecutor):
-    """A head that runs no mission: it schedules the jobs of every attached mission onto
-    its workers (see ``GrainExecutor._pump`` for the policy between missions)."""
+    async def _submit_one(self, joined):
+        wait = self.quota_wait(time.time())
+        if wait > 0:
+            self.note = (f"quota reached: {len(self.submitted)} submissions in the last "
+                         f"{format_walltime(self.window)}; the next is allowed in "
+                         f"{format_walltime(wait)}")
+            return
+        self.note = ""
+        self.submitted.append(time.time())
+        s, when = self.settings, time.time()
+        try:
+            batch_id = await trio.to_thread.run_sync(
+                submit_script, s, render_script(s, worker_command(s), when), (), "worker", when)
+        except GrainError as e:
+            self.note = f"the last submission failed: {e}"
+            log.warning("swarm: %s", self.note)
+            return
+        self.pending[batch_id] = time.time()
+        log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
+                 batch_id, joined, len(self.pending), self.target)
 
-    opaque = True
+
+class HeadDaemon:
+    """A head that runs no mission and no user code: it schedules the jobs of every
+    attached mission on its workers (the Scheduler serves their queues fairly) and passes
+    jobs and results on as the missions and workers pickled them."""
 
     def __init__(self, listen, key, *, idle_quit=1800.0, mission_socket=None, job_book=None,
-                 swarm=None, log_file="", max_missions=8):
-        super().__init__(name="head", listen=listen, key=key, job_book=job_book)
-        self.max_missions = max_missions
-        self._queues = []          # one per attached mission
+                 swarm=None, log_file="", max_missions=8, max_frame=MAX_FRAME):
+        self.scheduler = Scheduler()
+        self.tally = Tally()
+        self.retries = Retries()  # for lost and retired workers; missions retry the rest
+        self.service = HeadService(self, listen, key, max_frame=max_frame, job_book=job_book,
+                                   commands={"stats": self._stats, "stop": self._stop,
+                                             "scale": self._scale}, specialized=False)
         self.missions = []
         self.mission_socket = mission_socket
         self.idle_quit = idle_quit
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
         self.log_file = log_file
+        self.max_missions = max_missions
         self.stopped = trio.Event()
+        self.closing = False
+        self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
-        self._swarm_changed = trio.Event()
 
-    def _function_bytes(self, fn):
-        return fn.digest, fn.data
-
-    # -- missions -------------------------------------------------------------
-    async def _serve(self, *, task_status=TASK_STATUS_IGNORED):
+    async def run(self, *, task_status=TASK_STATUS_IGNORED):
+        """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(super()._serve)
+            urls = await nursery.start(self.service.run)
             if self.mission_socket:
-                listener = await _unix_listener(self.mission_socket)
-                nursery.start_soon(self._serve_mission_socket, listener)
+                await nursery.start(serve, f"unix://{self.mission_socket}", self.service.key,
+                                    self.service.handle_connection)
             nursery.start_soon(self._watch_idle)
             if self.swarm is not None:
-                nursery.start_soon(self._keep_swarm)
+                nursery.start_soon(self.swarm.run, self._joined)
             task_status.started(urls)
+            log.info("head daemon pid %d at %s; missions on this host attach at unix://%s",
+                     os.getpid(), self.service.listen, self.mission_socket)
+            await self.stopped.wait()
+            self.closing = True
+            with trio.CancelScope(shield=True):
+                await self.service.say_goodbye()
+            nursery.cancel_scope.cancel()
 
-    async def _serve_mission_socket(self, listener):
-        try:
-            await trio.serve_listeners(self._on_accept, [listener])
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(self.mission_socket)
+    # -- the worker protocol ---------------------------------------------------------
+    def function_bytes(self, fn):
+        return fn.digest, fn.data
 
-    def _changed(self):
-        self._missions_changed.set()
-        self._missions_changed = trio.Event()
+    def add_worker(self, worker):
+        if self.swarm is not None:
+            self.swarm.pending.pop(worker.job_id, None)
+        self.scheduler.add_worker(worker)
 
-    async def _serve_mission(self, channel, info):
+    def remove_worker(self, worker):
+        self.scheduler.remove_worker(worker)
+        if self.swarm is not None and self.swarm.changed is not None:
+            self.swarm.changed.set()
+
+    def _joined(self):
+        return sum(1 for w in self.scheduler.workers if w.channel is not None)
+
+    def job_reported(self, job, ok, data, duration, kind, where):
+        self.scheduler.release(job, ok)
+        self._deliver(job, ok, data, duration, kind)
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
+
+    def job_interrupted(self, job, kind, why):
+        w = self.scheduler.release(job)
+        cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
+        error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
+        if not job.queue.gone and self.retries.again(job, kind, error, self.tally):
+            job.state = "queued"
+            self.scheduler.push_front(job)
+        else:
+            self.retries.note(job, error, kind)
+            self._deliver(job, False, dumps_job_value((error, ""), ""), 0.0, kind)
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
+
+    def job_cancelled(self, job):
+        self.scheduler.release(job)
+        job.state = "failed"
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
+
+    def _deliver(self, job, ok, data, duration, kind):
+        """A job of a mission ended: count it and pass its result on, if the mission is
+        still there."""
+        job.state = "done" if ok else "failed"
+        self.tally.ended(job.state, kind)
+        m = job.queue
+        if m.gone:
+            return
+        if ok:
+            m.done += 1
+        else:
+            m.failed += 1
+        m.channel.send(("done", job.ref, ok, data, duration, kind))
+
+    # -- missions ------------------------------------------------------------------
+    async def serve_mission(self, channel, info):
         if not isinstance(info, dict):
             raise PeerError(f"a mission greeting must be a dict, got {info!r:.60}")
         if len(self.missions) >= self.max_missions:
-            await super()._serve_mission(channel, info, f"the head daemon (pid {os.getpid()} "
-                                         f"on {_hostname()}) serves {len(self.missions)} "
-                                         "missions already, its limit ([head.gnaw] max_conn)")
+            channel.send(("refused", f"the head daemon (pid {os.getpid()} on {hostname()}) "
+                                     f"serves {len(self.missions)} missions already, its "
+                                     "limit ([head.gnaw] max_conn)"))
             return
+        channel.silent_after = MISSION_SILENT_S  # its main may block its event loop a while
         m = MissionQueue(channel, info)
         self.missions.append(m)
-        self._queues.append(m)
+        self.scheduler.add_queue(m)
         self._changed()
-        channel.send(("attached", {"pid": os.getpid(), "host": _hostname(),
+        channel.send(("attached", {"pid": os.getpid(), "host": hostname(),
                                    "log": self.log_file}))
         log.info("mission %s attached from %s%s", m.name, m.host,
                  " (prioritized)" if m.prioritized else "")
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_send_heartbeats, channel)
-                nursery.start_soon(_watch_silence, channel, nursery.cancel_scope.cancel,
-                                   MISSION_SILENT_S)
-                try:  # inside the nursery, so the error is not wrapped in a group
-                    await self._mission_messages(m, channel)
-                except PeerError as e:
-                    log.warning("mission %s dropped: %s", m.name, e)
-                nursery.cancel_scope.cancel()
+            await receive_all(channel, {"job": functools.partial(self._accept_job, m),
+                                        "fn": functools.partial(self._accept_function, m),
+                                        "ping": _ignore})
+        except PeerError as e:
+            log.warning("mission %s dropped: %s", m.name, e)
         finally:
             self._detach(m)
 
-    async def _mission_messages(self, m, channel):
-        while True:
-            msg = await channel.receive()
-            if msg is None:
-                return
-            if not isinstance(msg, tuple) or not msg:
-                raise PeerError(f"unknown message {msg!r:.60}")
-            if msg[0] == "job":
-                self._accept_job(m, *msg[1:])
-            elif msg[0] == "fn":
-                digest, data, name = msg[1:]
-                m.functions[digest] = _OpaqueFunction(digest, data, name)
-            elif msg[0] != "ping":
-                raise PeerError(f"unknown message {msg!r:.60}")
+    def _accept_function(self, m, digest, data, name="?"):
+        m.functions[digest] = _OpaqueFunction(digest, data, name)
 
     def _accept_job(self, m, ref, req, digest, payload):
         fn = m.functions.get(digest)
@@ -5377,20 +5778,15 @@ class HeadDaemon(GrainExecutor):
         job = Job(next(self._ids), req, fn, None, None, m)
         job.ref = ref
         job.payload = payload
-        self._enqueue(job)
+        self.scheduler.push(job)
 
     def _detach(self, m):
         """The mission ended or died: drop its queue, cancel what still runs for it."""
         m.gone = True
         self.missions.remove(m)
-        self._queues.remove(m)
-        dropped = len(m.jobs)
-        self._n_queued -= dropped
-        m.jobs.clear()
-        m.unreserve()
-        m.run = 0
+        dropped = len(self.scheduler.remove_queue(m))
         cancelled = 0
-        for w in self.workers:
+        for w in self.scheduler.workers:
             for job in list(getattr(w, "jobs", {}).values()):
                 if job.queue is m:
                     w.cancel(job)
@@ -5399,33 +5795,18 @@ class HeadDaemon(GrainExecutor):
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
                  f"; dropped {dropped} queued and cancelled {cancelled} running job(s)"
                  if dropped or cancelled else "")
-        if self._n_queued:
-            self._pump()
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
 
-    def _retry(self, job, kind, error):
-        return not job.queue.gone and super()._retry(job, kind, error)
+    def _changed(self):
+        self._missions_changed.set()
+        self._missions_changed = trio.Event()
 
-    def _complete(self, job, value, error, kind=None):
-        m = job.queue
-        if error is None:  # what a worker reported, unopened
-            ok, data, kind = value
-        else:  # what the daemon decided (the worker was lost, or retired, too often)
-            self._note_attempts(job, error, kind)
-            ok, data = False, dumps_job_value((error, ""), "")
-        job.state = "done" if ok else "failed"
-        self._count(job.state, kind)
-        if m.gone:
-            return
-        if ok:
-            m.done += 1
-        else:
-            m.failed += 1
-        m.channel.send(("done", job.ref, ok, data, job.duration or 0.0, kind))
-
-    def _warn_all(self, message):
-        super()._warn_all(message)
+    def warn_all(self, text):
+        """A warning for the daemon's log and every attached mission."""
+        log.warning("%s", text)
         for m in self.missions:
-            m.channel.send(("warn", message))
+            m.channel.send(("warn", text))
 
     async def _watch_idle(self):
         while True:
@@ -5439,88 +5820,14 @@ class HeadDaemon(GrainExecutor):
                 self.stopped.set()
                 return
 
-    # -- the swarm --------------------------------------------------------------
-    async def _keep_swarm(self):
-        sw = self.swarm
-        last_states = -math.inf
-        while True:
-            with trio.move_on_after(SWARM_CHECK_S):
-                await self._swarm_changed.wait()
-            self._swarm_changed = trio.Event()
-            now = trio.current_time()
-            if sw.pending and now - last_states >= SWARM_STATES_S:
-                last_states = now
-                states = await trio.to_thread.run_sync(
-                    batch_states, sw.settings.system, list(sw.pending),
-                    sw.settings.custom_system)
-                for job_id in list(sw.pending):
-                    if states[job_id] == ENDED:
-                        log.warning("worker job %s ended without joining", job_id)
-                        del sw.pending[job_id]
-            joined = self._joined()
-            missing = sw.target - joined - len(sw.pending)
-            if missing <= 0:
-                sw.note = ""
-                continue
-            wait = sw.quota_wait(time.time())
-            if wait > 0:
-                sw.note = (f"quota reached: {len(sw.submitted)} submissions in the last "
-                           f"{format_walltime(sw.window)}; the next is allowed in "
-                           f"{format_walltime(wait)}")
-                continue
-            sw.note = ""
-            sw.submitted.append(time.time())
-            try:
-                job_id = await trio.to_thread.run_sync(self._submit_worker_job)
-            except GrainError as e:
-                sw.note = f"the last submission failed: {e}"
-                log.warning("swarm: %s", sw.note)
-                continue
-            sw.pending[job_id] = time.time()
-            log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
-                     job_id, joined, len(sw.pending), sw.target)
+    # -- the command line --------------------------------------------------------------
+    def statistics(self):
+        return self.scheduler.statistics()
 
-    def _joined(self):
-        return sum(1 for w in self.workers if w.channel is not None)
-
-    def _submit_worker_job(self):
-        s = self.swarm.settings
-        when = time.time()
-        return submit(s, render_script(s, worker_command(s), when), (), "worker", when)
-
-    def add_worker(self, worker):
-        if self.swarm is not None:
-            self.swarm.pending.pop(worker.job_id, None)
-        super().add_worker(worker)
-
-    def remove_worker(self, worker):
-        super().remove_worker(worker)
-        self._swarm_changed.set()
-
-    # -- the command line -----------------------------------------------------------
-    def _cli_handlers(self):
-        return dict(super()._cli_handlers(), stop=self._cli_stop, scale=self._cli_scale)
-
-    def _cli_stop(self):
-        self.stopped.set()
-        return {"done": [f"the head daemon (pid {os.getpid()}) stops: FIN to "
-                         f"{len(self.workers)} worker(s), {len(self.missions)} mission(s) "
-                         "detached"]}
-
-    def _cli_scale(self, n):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"the number of workers must be a whole number >= 0, got {n!r}")
-        if self.swarm is None:
-            raise ValueError("this head has no batch system to submit workers to: set system "
-                             "= \"slurm\", \"pbs\" or \"custom\" in its grain.toml")
-        self.swarm.target = n
-        self._swarm_changed.set()
-        return {"done": [f"swarm target: {n} worker(s)" if n else "autoscaling is off"]}
-
-    def _cli_stats(self):
-        stats = super()._cli_stats()
+    def _stats(self):
+        stats = self.service.stats()
         running = {}
-        for w in self.workers:
+        for w in self.scheduler.workers:
             for job in getattr(w, "jobs", {}).values():
                 running[job.queue] = running.get(job.queue, 0) + 1
         stats["missions"] = [{"name": m.name, "host": m.host, "prioritized": m.prioritized,
@@ -5530,6 +5837,23 @@ class HeadDaemon(GrainExecutor):
         if self.swarm is not None:
             stats["swarm"] = self.swarm.statistics(self._joined())
         return stats
+
+    def _stop(self):
+        self.stopped.set()
+        return {"done": [f"the head daemon (pid {os.getpid()}) stops: FIN to "
+                         f"{len(self.scheduler.workers)} worker(s), {len(self.missions)} "
+                         "mission(s) detached"]}
+
+    def _scale(self, n):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"the number of workers must be a whole number >= 0, got {n!r}")
+        if self.swarm is None:
+            raise ValueError("this head has no batch system to submit workers to: set system "
+                             "= \"slurm\", \"pbs\" or \"custom\" in its grain.toml")
+        self.swarm.target = n
+        if self.swarm.changed is not None:
+            self.swarm.changed.set()
+        return {"done": [f"swarm target: {n} worker(s)" if n else "autoscaling is off"]}
 
 
 async def head_main(s, worker, key, idle_quit=None):
@@ -5546,60 +5870,23 @@ async def head_main(s, worker, key, idle_quit=None):
     if s.daemon_extra_args:
         log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
                     "of upstream's Go daemon", " ".join(s.daemon_extra_args))
-    async with daemon:
-        log.info("head daemon pid %d at %s; missions on this host attach at unix://%s",
-                 os.getpid(), s.listen, daemon.mission_socket)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                async def on_signal():
-                    async for signum in signals:
-                        log.info("got %s; stopping", signal.Signals(signum).name)
-                        daemon.stopped.set()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            async def on_signal():
+                async for signum in signals:
+                    log.info("got %s; stopping", signal.Signals(signum).name)
+                    daemon.stopped.set()
 
-                nursery.start_soon(on_signal)
-                await daemon.stopped.wait()
-                nursery.cancel_scope.cancel()
+            nursery.start_soon(on_signal)
+            await daemon.run()
+            nursery.cancel_scope.cancel()
     return 0
-
-
-def spawn_head(argv, log_file):
-    """Start a head daemon detached from this process (own session: a Ctrl-C of the
-    mission does not reach it), its output going to ``log_file``."""
-    os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
-    with open(log_file, "ab") as out:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True,
-                                env=dict(os.environ, GRAIN_HEAD_LOG=log_file))
-
-
-async def attach_to_head(address, key, argv, log_file):
-    """A stream to the head daemon for ``address``: the one on this host, else one listening
-    at the address elsewhere, else a new one started here with ``argv``."""
-    sock = [f"unix://{mission_socket_path(address)}"]
-    stream = await _try_connect(sock, key) or await _connect_head(address, key)
-    if stream is not None:
-        return stream
-    t0 = trio.current_time()
-    proc = spawn_head(argv, log_file)
-    log.info("started a head daemon (pid %d) for %s; its log: %s", proc.pid, address, log_file)
-    while True:
-        await trio.sleep(0.005)
-        stream = await _try_connect(sock, key)
-        if stream is not None:
-            return stream
-        if proc.poll() is not None:  # it may have lost a race with another one: try that
-            stream = await _try_connect(sock, key) or await _connect_head(address, key)
-            if stream is not None:
-                return stream
-            raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
-                             f"answering; the end of its log {log_file}:\n{_log_tail(log_file)}")
-        if trio.current_time() - t0 > HEAD_START_S:
-            raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
-                             f"{HEAD_START_S:g} s; see its log {log_file}")
 
 
 ###############################################################################
 # Pack ########################################################################
+
+
 ###############################################################################
 # ``python grain.py pack``: one self-contained zipapp (grain.py, trio and everything
 # it imports, dill, and tomli below 3.11) for clusters with no pip. Wheels come from
@@ -5723,7 +6010,7 @@ def _pip_download(names, target, dest):
     return None if cp.returncode == 0 else (cp.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def _find_python(target):
+def find_python(target):
     """An interpreter of version ``target`` to test a bundle with: this one, one of pyenv's,
     or pythonX.Y on PATH (pyenv's shims only pretend to be one)."""
     if sys.version_info[:2] == target:
@@ -5805,7 +6092,7 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
                 packages = _from_installed(names, target)
     say("pack: " + ", ".join(f"{n} {v}" for n, (v, _) in packages.items()))
     tmp = build_bundle(packages, out)
-    interpreter = _find_python(target)
+    interpreter = find_python(target)
     try:
         if interpreter is None:
             say(f"pack: no Python {target[0]}.{target[1]} here to test the bundle with")
@@ -5826,9 +6113,74 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
 
 ###############################################################################
 # CLI #########################################################################
+
+
 ###############################################################################
 # ``python grain.py COMMAND``. build_parser() describes the commands; main(argv) runs
-# one and returns the exit code. Only main configures logging or decides to exit.
+# one and returns the exit code. Only main configures logging or decides to exit. The
+# client side of the head's commands (ls, quit, stop, scale) is here too.
+
+
+async def cli_request(address, key, *msg):
+    """Send one command to the head at ``address``; its reply, or None if none answers."""
+    with trio.move_on_after(CLI_TIMEOUT_S):
+        try:
+            stream = await connect(address, key)
+        except Unreachable:
+            return None
+        async with open_channel(stream, address, heartbeat=False, silent_after=None) as ch:
+            ch.send(("cli", *msg))
+            reply = await ch.receive()
+            return dispatch({"reply": lambda r: r}, reply, address) if reply else None
+    return None
+
+
+def format_ls(stats):
+    """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
+    rows = [("WORKER", "CORES free/total", "MEMORY free/total", "WALLTIME", "RUNNING",
+             "STATUS", "WHERE")]
+    tc = [0, 0]
+    tm = [0.0, 0.0]
+    running = 0
+    for w in stats["workers"]:
+        tc = [tc[0] + w["cores"][0], tc[1] + w["cores"][1]]
+        tm = [tm[0] + w["memory"][0], tm[1] + w["memory"][1]]
+        running += w["running"]
+        rows.append((w["name"], f"{w['cores'][0]}/{w['cores'][1]}",
+                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB",
+                     "-" if w["walltime"] is None else format_walltime(w["walltime"]),
+                     str(w["running"]), w["status"], w["where"]))
+    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB", "", str(running),
+                 f"{len(stats['workers'])} worker(s)", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    def by_class(counts):
+        inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+        return f" ({inner})" if inner else ""
+
+    lines.append("")
+    lines.append(f"jobs: {stats['queued']} queued, {stats['running']} running, "
+                 f"{stats['done']} done, {stats['failed']} failed"
+                 f"{by_class(stats['failed_by_class'])}, {stats['retried']} retried"
+                 f"{by_class(stats['retried_by_class'])}")
+    if stats["next"]:
+        lines.append(f"next pending job requests {stats['next']}")
+    if "missions" in stats:
+        lines += ["", f"missions: {len(stats['missions'])} attached"]
+        for m in stats["missions"]:
+            first = " (prioritized)" if m["prioritized"] else ""
+            lines.append(f"  {m['name']} on {m['host']}{first}: "
+                         f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
+                         f"{m['failed']} failed")
+    sw = stats.get("swarm")
+    if sw is not None:
+        pending = ", ".join(sw["pending"]) or "none"
+        lines.append(f"swarm: target {sw['target']}, {sw['joined']} joined, "
+                     f"{len(sw['pending'])} submitted not joined ({pending}); quota "
+                     f"{sw['used']}/{sw['quota']} per {format_walltime(sw['window'])}")
+        if sw["note"]:
+            lines.append(f"swarm: {sw['note']}")
+    return "\n".join(lines)
 
 
 def _package_version(name, version_file):
@@ -5997,7 +6349,7 @@ def format_jobs(book, s, joined):
         else:
             lines.append(f"  job {r['id']} ({r['name']}): ENDED WITHOUT ITS WORKER EVER "
                          f"JOINING; the end of its log {r['log']}:")
-            lines.append(_log_tail(r["log"]))
+            lines.append(log_tail(r["log"]))
     return lines
 
 
@@ -6069,7 +6421,7 @@ def _cmd_up(args):
         if args.dry:
             print(script, end="")
             return 0
-        job_id = submit(s, script, _extra(args), "worker", when, seq)
+        job_id = submit_script(s, script, _extra(args), "worker", when, seq)
         print(f"submitted worker job {job_id} ({_stamp(s.name, when, seq)}); log: "
               f"{os.path.abspath(_stamp(s.log_file, when, seq))}")
     return 0
@@ -6088,7 +6440,7 @@ def _cmd_start(args):
     if args.dry:
         print(script, end="")
         return 0
-    job_id = submit(s, script, _extra(args), "head", when)
+    job_id = submit_script(s, script, _extra(args), "head", when)
     print(f"submitted head job {job_id} ({_stamp(s.name, when)})")
     return 0
 
@@ -6114,15 +6466,14 @@ def _cmd_down(args):
             for r in records:
                 if r["id"] not in live:
                     continue  # ended already: forget it
-                cancel = SYSTEMS.get(r.get("system"), {}).get("cancel")
-                if r.get("system") == "custom" and custom.cancel_cmd:
-                    cancel = shlex.split(custom.cancel_cmd)
+                cancel = cancel_argv(r.get("system"), custom)
                 if not cancel:
                     print(f"job {r['id']} ({r['name']}): no cancel command for system "
                           f"{r.get('system')!r}; cancel it yourself")
                     keep.append(r)
                     continue
-                cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True)
+                cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True,
+                                    timeout=SUBMIT_S)
                 if cp.returncode == 0:
                     print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
                     cancelled += 1
@@ -6199,6 +6550,8 @@ def main(argv=None):
 
 ###############################################################################
 # Submodules ##################################################################
+
+
 ###############################################################################
 # ``from grain.delayed import delayed`` must work although grain is one file. Each
 # virtual submodule forwards the names it lists to this module (one source of truth)

@@ -584,8 +584,7 @@ async def test_stuck_queue_warns_with_the_request_and_largest_worker(autojump_cl
             await trio.sleep(STUCK)
             assert len(caplog.records) == 2
             # A worker joins: the job runs and the mission ends.
-            exer.add_worker(grain.LocalWorker(exer, Cores(16) & Memory(64), "big",
-                                              exer._nursery))
+            exer.add_local_worker(Cores(16) & Memory(64), "big")
             await j
 
 
@@ -946,9 +945,9 @@ def sp_raise():
 @trio_test
 async def test_subprocify_pins_cores_and_sees_gvar():
     async def main():
-        async with subprocess_pool_scope():
+        async with subprocess_pool_scope() as pool:
             async with subprocess_pool_scope() as again:   # a no-op the second time
-                assert again is grain._RUNTIME.get().pool
+                assert again is pool
             sq, pid, affinity, cores, inst = await (delayed(sp_info) @ Cores(1))(7)
             assert sq == 49 and pid != os.getpid() and inst == "local"
             assert affinity == cores and len(cores) == 1
@@ -1010,7 +1009,7 @@ async def test_a_dying_child_is_broken_retried_and_replaced(how):
             assert ("exited with code 3" if how == "exit" else "killed by signal 11") in \
                 str(info.value)
             pid2 = await (delayed(sp_sleep) @ Cores(1))(0)
-            assert pid2 != pid and len(pool._all) == 1
+            assert pid2 != pid and pool.statistics().pids == [pid2]
             return True
 
     assert await _in_mission(main, max_retries=2)
@@ -1022,12 +1021,14 @@ async def test_pool_is_bounded_and_idle_processes_shut_down(mock_clock):
         async with subprocess_pool_scope(limit=1) as pool:
             pids = await each([(delayed(sp_sleep) @ Cores(1))(0.05) for _ in range(3)])
             assert len(set(pids)) == 1   # one process served all three, one at a time
-            (child,) = pool._all
+            assert pool.statistics().pids == pids[:1]
             await trio.testing.wait_all_tasks_blocked()
-            assert pool._all and pid_alive(pids[0])   # idle, but not for long enough yet
+            assert pool.statistics().idle == 1 and pid_alive(pids[0])  # not idle long enough
             mock_clock.jump(grain.SUBPROC_IDLE_S + 10)
-            await child.process.wait()
-            assert not pool._all and not pid_alive(pids[0])
+            mock_clock.autojump_threshold = 0  # from now on: the shutdown takes real time
+            while pool.statistics().pids:
+                await trio.sleep(0.01)
+            assert not pid_alive(pids[0])
             return True
 
     assert await _in_mission(main, local=Cores(3))
@@ -1214,7 +1215,7 @@ async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
         assert re.search(r"^local\s+0/1\s+", out, re.M)
         assert re.search(r"^TOTAL\s+0/3\s+.*3\s+3 worker\(s\)", out, re.M)
         assert "jobs: 0 queued, 3 running, 0 done, 0 failed, 0 retried" in out
-        formatted = grain.format_ls(dict(exer._cli_stats(), failed=3,
+        formatted = grain.format_ls(dict(exer.service.stats(), failed=3,
                                          failed_by_class={"raised": 2, "ran past its T": 1}))
         assert "3 failed (raised: 2, ran past its T: 1), 0 retried" in formatted
         # quit without -f: node-a finishes its job, then leaves.
@@ -1913,9 +1914,10 @@ def test_worker_resources_come_from_the_affinity_set():
 
 @trio_test
 async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
-    async with grain.GrainExecutor() as exer:
+    async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
         head_side, fake_side = trio.testing.memory_stream_pair()
-        exer._nursery.start_soon(exer._on_connection, head_side, "fake-peer")
+        service = grain.HeadService(exer, None, None)  # the head's side, on a memory stream
+        nursery.start_soon(service.handle_connection, head_side, "fake-peer")
         register = ("register", {"name": "mute", "res": Cores([0, 1]), "pid": 1})
         await fake_side.send_all(grain.encode_frame(grain.dumps_control(register)))
         await exer.wait_for_workers(1)
@@ -1928,7 +1930,7 @@ async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
             await trio.sleep(1)
         assert trio.current_time() - t0 == pytest.approx(grain.SILENT_S, abs=1)
         assert job.state == "queued" and exer.retried_by_class == {"worker lost": 1}
-        exer.add_worker(grain.LocalWorker(exer, Cores(1), "rescue", exer._nursery))
+        exer.add_local_worker(Cores(1), "rescue")
         assert (await job)[3] == "rescue"
 
 
@@ -2038,8 +2040,8 @@ def test_render_slurm_script():
     assert body.index("trap grain_cleanup EXIT") < body.index("module load vasp") < \
         body.index("mkdir -p /scratch/131415") < body.index("/opt/grain.py worker")
     cmd = shlex.split(lines[-1])  # grain.py run from its cached bytecode, as `up` runs it
-    assert cmd[:7] == [sys.executable, "-c", grain._CHILD_BOOT, "/opt/grain.py", "worker",
-                       "--url", "edge:///shared/edge"]
+    assert cmd[1] == "-c" and cmd[:7] == grain.boot_argv(
+        sys.executable, "/opt/grain.py", "worker", "--url", "edge:///shared/edge")
     res = _json.loads(cmd[cmd.index("--res") + 1])
     assert res == {"Cores": {"N": 16}, "Memory": {"M": 28.0},
                    "WTime": {"T": "23:57:00", "countdown": True},
@@ -2326,7 +2328,7 @@ def bundles(tmp_path_factory):
     d = tmp_path_factory.mktemp("bundles")
     for version in ("3.9", "3.13"):
         target = tuple(int(x) for x in version.split("."))
-        python = grain._find_python(target)
+        python = grain.find_python(target)
         if python is None:
             pytest.skip(f"needs a Python {version} (pyenv on these machines has it)")
         path = str(d / f"grain-{version}.pyz")
@@ -2403,8 +2405,8 @@ def test_pack_refuses_what_it_cannot_build(tmp_path):
 
 
 def test_core_id_lists():
-    assert grain._parse_ids("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
-    assert grain._parse_ids("5") == [5]
+    assert grain.parse_ids("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert grain.parse_ids("5") == [5]
 
 
 def test_requires_python_specifiers():
@@ -2416,12 +2418,13 @@ def test_requires_python_specifiers():
 
 @trio_test
 async def test_a_registered_worker_sending_garbage_is_dropped_not_the_head():
-    async with grain.GrainExecutor(rpw=Cores(1), max_frame=1000) as exer:
+    async with grain.GrainExecutor(rpw=Cores(1)) as exer, trio.open_nursery() as nursery:
+        service = grain.HeadService(exer, None, None, max_frame=1000)
         for garbage in [grain.FRAME_HEADER.pack(10 ** 6) + b"x",           # oversized
                         grain.encode_frame(b"not a pickle"),                # undecodable
                         grain.encode_frame(grain.dumps_control(("hack",)))]:  # unknown op
             head_side, fake_side = trio.testing.memory_stream_pair()
-            exer._nursery.start_soon(exer._on_connection, head_side, "fake-peer")
+            nursery.start_soon(service.handle_connection, head_side, "fake-peer")
             register = ("register", {"name": "bad", "res": Cores([0, 1]), "pid": 1})
             await fake_side.send_all(grain.encode_frame(grain.dumps_control(register)))
             await exer.wait_for_workers(1)
@@ -2453,7 +2456,7 @@ async def test_a_crashed_heads_edge_record_is_replaced(workers, tmp_path, caplog
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()   # a pid that no longer runs, as after `kill -9` of a head
     edge.write_text(_json.dumps({"listener": {
-        "host": grain._hostname(), "lid": "old", "pid": dead.pid, "heartbeat": time.time(),
+        "host": grain.hostname(), "lid": "old", "pid": dead.pid, "heartbeat": time.time(),
         "urls": {"lo": "tcp://127.0.0.1:1"}}, "dialer": []}))
     w = workers.start("--url", f"edge://{edge}", "--res", '{"Cores": {"N": 1}}', name="patient")
     with trio.fail_after(15):
