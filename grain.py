@@ -3860,7 +3860,9 @@ class HeadService:
 
     # -- the CLI -----------------------------------------------------------------------
     async def _answer(self, channel, command, *args):
-        handler = self.commands.get(command)
+        """Answer a CLI command. A handler returns its reply, or ``(reply, then)``: ``then()``
+        runs once the reply has gone out (``stop``: the daemon ends after answering)."""
+        handler, then = self.commands.get(command), None
         if handler is None:
             reply = {"error": f"the head at {self.listen} (pid {os.getpid()}) runs a mission "
                               f"in-process; `{command}` needs a head daemon (`grain.py head`)"
@@ -3870,7 +3872,13 @@ class HeadService:
                 reply = handler(*args)
             except (TypeError, ValueError) as e:
                 reply = {"error": f"{command}: {e}"}
+            if isinstance(reply, tuple):
+                reply, then = reply
         channel.send(("reply", reply))
+        channel.close_after_flush()
+        await channel.flushed.wait()
+        if then is not None:
+            then()
 
     def stats(self):
         """What `ls` shows: the workers, the queue and the counts by failure class."""
@@ -5839,10 +5847,9 @@ class HeadDaemon:
         return stats
 
     def _stop(self):
-        self.stopped.set()
-        return {"done": [f"the head daemon (pid {os.getpid()}) stops: FIN to "
-                         f"{len(self.scheduler.workers)} worker(s), {len(self.missions)} "
-                         "mission(s) detached"]}
+        return ({"done": [f"the head daemon (pid {os.getpid()}) stops: FIN to "
+                          f"{len(self.scheduler.workers)} worker(s), {len(self.missions)} "
+                          "mission(s) detached"]}, self.stopped.set)
 
     def _scale(self, n):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -6206,101 +6213,84 @@ def _versions():
             f"Python {sys.version.split()[0]})")
 
 
-def build_parser():
+# Options several commands share, by name: (flags, argparse keywords).
+_SHARED_OPTIONS = {
+    "config": (("-c", "--config"), dict(metavar="FILE", help="the config (default: "
+                                        "$GRAIN_CONFIG, else ./grain.toml)")),
+    "address": (("-a", "--address"), dict(help="the head's address (default: "
+                                          "worker.cli_dial)")),
+    "key": (("--key",), dict(metavar="PATH", help="the shared key file (default "
+                             "~/.local/share/grain/key)")),
+    "dry": (("--dry",), dict(action="store_true", help="print the job script; submit "
+                             "nothing")),
+}
+_AT_HEAD = ("address", "config", "key")
+# The commands: name, help, shared options, options of its own.
+_COMMAND_LINE = [
+    ("worker", "run a worker: connect to a head and run its jobs", ("key",), [
+        (("--url",), dict(help="the head's address: tcp://host:port, unix:///path or "
+                          "edge:///path (default: the Edge file in ~/.local/share)")),
+        (("--listen",), dict(metavar="URL", help="be a passive worker: wait at "
+                             "tcp://:PORT for a head to dial")),
+        (("-r", "--res"), dict(metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
+                               '{"N": 16}, "Memory": {"M": 32}}\' or \'{"Node": {"N": 16, '
+                               '"M": 32}}\' (default: this cpuset and memory)')),
+        (("--max-frame",), dict(type=int, default=MAX_FRAME, metavar="BYTES", help="the "
+                                "largest message the head may send (default 1 GiB)")),
+        (("--oversubscribe",), dict(action="store_true", help="allow --res to offer more "
+                                    "cores than this process's cpuset (the extra ids are "
+                                    "virtual; for tests and benchmarks)")),
+        (("--context",), dict(metavar="FILE", help="a Python file whose grain_context() "
+                              "wraps the worker's life")),
+        (("--name",), dict(help="the worker's name (default: the hostname)")),
+        (("--sworker",), dict(metavar="MODULE", help="be a specialized worker of this type "
+                              "(worker.specialized_type): its jobs run in the mission, this "
+                              "process keeps the module's grain_run_sworker() running"))]),
+    ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, []),
+    ("quit", "make workers leave (after their jobs, or now with -f)", _AT_HEAD, [
+        (("pattern",), dict(help="a glob over worker names, e.g. 'node1*'")),
+        (("-f", "--force"), dict(action="store_true", help="leave now; their running jobs "
+                                 "are re-queued"))]),
+    ("head", "run the head daemon: a scheduler shared by missions, keeping workers between "
+             "them (missions start one when none runs)", ("config", "key"), [
+        (("--no-config",), dict(action="store_true", help="use the defaults, ignore "
+                                "./grain.toml and $GRAIN_CONFIG")),
+        (("-a", "--address"), dict(help="where to listen (default: head.listen)")),
+        (("--idle-quit",), dict(metavar="DURATION", help="quit after this long without "
+                                "missions (default: head.idle_quit)"))]),
+    ("stop", "stop the head daemon (its workers get FIN)", _AT_HEAD, []),
+    ("scale", "keep N workers submitted (0: autoscaling off)", _AT_HEAD, [
+        (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
+    ("up", "submit worker jobs to the batch system (other arguments go to sbatch/qsub)",
+     ("config", "dry"), [(("-n",), dict(type=int, default=1, metavar="N", help="how many "
+                                         "(default 1)"))]),
+    ("down", "cancel every worker or head job grain submitted", ("config",), []),
+    ("pack", "build grain.pyz: grain.py with trio and dill inside, for machines without pip",
+     (), [(("-o", "--output"), dict(default="grain.pyz", metavar="FILE")),
+          (("--python",), dict(metavar="X.Y", help="the target Python (default: this one)")),
+          (("--wheels",), dict(metavar="DIR", help="take the wheels from DIR (offline)"))]),
+    ("start", "submit the head job (head.cmd), or run it --local", ("config", "dry"), [
+        (("--local",), dict(action="store_true", help="run head.cmd here instead"))]),
+]
 
+
+def build_parser():
     parser = argparse.ArgumentParser(
         prog="grain.py",
         description="A resource-aware parallel scheduler for HPC clusters, in one file.")
     parser.add_argument("--version", action="version", version=_versions())
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def common(p):
-        p.add_argument("--key", metavar="PATH",
-                       help="the shared key file (default ~/.local/share/grain/key)")
-
-    p = sub.add_parser("worker", help="run a worker: connect to a head and run its jobs")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--url", help="the head's address: tcp://host:port, unix:///path or "
-                       "edge:///path (default: the Edge file in ~/.local/share)")
-    where.add_argument("--listen", metavar="URL",
-                       help="be a passive worker: wait at tcp://:PORT for a head to dial")
-    p.add_argument("-r", "--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
-                   '{"N": 16}, "Memory": {"M": 32}}\' or \'{"Node": {"N": 16, "M": 32}}\' '
-                   '(default: this cpuset and memory)')
-    p.add_argument("--max-frame", type=int, default=MAX_FRAME, metavar="BYTES",
-                   help="the largest message the head may send (default 1 GiB)")
-    p.add_argument("--oversubscribe", action="store_true",
-                   help="allow --res to offer more cores than this process's cpuset (the "
-                   "extra ids are virtual; for tests and benchmarks)")
-    p.add_argument("--context", metavar="FILE",
-                   help="a Python file whose grain_context() wraps the worker's life")
-    p.add_argument("--name", help="the worker's name (default: the hostname)")
-    p.add_argument("--sworker", metavar="MODULE", help="be a specialized worker of this type "
-                   "(worker.specialized_type): its jobs run in the mission, this process keeps "
-                   "the module's grain_run_sworker() running")
-    common(p)
-
-    def config(p):
-        p.add_argument("-c", "--config", metavar="FILE",
-                       help="the config (default: $GRAIN_CONFIG, else ./grain.toml)")
-
-    p = sub.add_parser("ls", help="show the head's workers, queue and submitted jobs")
-    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
-    config(p)
-    common(p)
-
-    p = sub.add_parser("quit", help="make workers leave (after their jobs, or now with -f)")
-    p.add_argument("pattern", help="a glob over worker names, e.g. 'node1*'")
-    p.add_argument("-f", "--force", action="store_true",
-                   help="leave now; their running jobs are re-queued")
-    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
-    config(p)
-    common(p)
-
-    p = sub.add_parser("head", help="run the head daemon: a scheduler shared by missions, "
-                       "keeping workers between them (missions start one when none runs)")
-    config(p)
-    p.add_argument("--no-config", action="store_true", help="use the defaults, ignore "
-                   "./grain.toml and $GRAIN_CONFIG")
-    p.add_argument("-a", "--address", help="where to listen (default: head.listen)")
-    p.add_argument("--idle-quit", metavar="DURATION",
-                   help="quit after this long without missions (default: head.idle_quit)")
-    common(p)
-
-    p = sub.add_parser("stop", help="stop the head daemon (its workers get FIN)")
-    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
-    config(p)
-    common(p)
-
-    p = sub.add_parser("scale", help="keep N workers submitted (0: autoscaling off)")
-    p.add_argument("n", type=int, metavar="N", help="the number of workers")
-    p.add_argument("-a", "--address", help="the head's address (default: worker.cli_dial)")
-    config(p)
-    common(p)
-
-    p = sub.add_parser("up", help="submit worker jobs to the batch system")
-    config(p)
-    p.add_argument("-n", type=int, default=1, metavar="N", help="how many (default 1)")
-    p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
-
-    p = sub.add_parser("down", help="cancel every worker or head job grain submitted")
-    config(p)
-
-    p = sub.add_parser("pack", help="build grain.pyz: grain.py with trio and dill inside, "
-                       "for machines without pip")
-    p.add_argument("-o", "--output", default="grain.pyz", metavar="FILE")
-    p.add_argument("--python", metavar="X.Y", help="the target Python (default: this one)")
-    p.add_argument("--wheels", metavar="DIR", help="take the wheels from DIR (offline)")
-
-    p = sub.add_parser("start", help="submit the head job (head.cmd), or run it --local")
-    config(p)
-    p.add_argument("--local", action="store_true", help="run head.cmd here instead")
-    p.add_argument("--dry", action="store_true", help="print the job script; submit nothing")
+    for name, help_, shared, own in _COMMAND_LINE:
+        p = sub.add_parser(name, help=help_)
+        for flags, kw in own + [_SHARED_OPTIONS[o] for o in shared]:
+            p.add_argument(*flags, **kw)
     return parser
 
 
 def _cmd_worker(args):
+    if args.url and args.listen:
+        raise UsageError("give --url (dial a head) or --listen (wait for one), not both")
     res = None
     if args.res is not None:
         try:
@@ -6374,18 +6364,14 @@ def _cmd_head(args):
     return trio.run(head_main, s, worker, key, idle_quit)
 
 
-def _cmd_stop(args):
-    s, address, key = _cli_target(args)
-    for line in _cli_call(address, key, "stop")["done"]:
-        print(line)
-    return 0
-
-
-def _cmd_scale(args):
-    if args.n < 0:
+def _cmd_at_head(args):
+    """`stop`, `scale N`, `quit [-f] PATTERN`: one command for the head; print its answer."""
+    if args.command == "scale" and args.n < 0:
         raise UsageError(f"N must be a whole number >= 0, got {args.n}")
+    arguments = {"stop": (), "scale": ("n",), "quit": ("pattern", "force")}[args.command]
     s, address, key = _cli_target(args)
-    for line in _cli_call(address, key, "scale", args.n)["done"]:
+    for line in _cli_call(address, key, args.command,
+                          *(getattr(args, a) for a in arguments))["done"]:
         print(line)
     return 0
 
@@ -6489,21 +6475,14 @@ def _cmd_down(args):
     return 0
 
 
-def _cmd_quit(args):
-    s, address, key = _cli_target(args)
-    for line in _cli_call(address, key, "quit", args.pattern, args.force)["done"]:
-        print(line)
-    return 0
-
-
 def _cmd_pack(args):
     pack(args.output, args.python, args.wheels)
     return 0
 
 
-_COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_quit,
+_COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_at_head,
              "up": _cmd_up, "down": _cmd_down, "start": _cmd_start, "head": _cmd_head,
-             "stop": _cmd_stop, "scale": _cmd_scale}
+             "stop": _cmd_at_head, "scale": _cmd_at_head}
 
 
 def main(argv=None):
