@@ -1544,16 +1544,15 @@ def dispatch(handlers, msg, peer="a peer"):
     """Call the handler of ``msg`` (``handlers``: {name: callable}) with its fields, and
     return what it returns. PeerError if ``msg`` is not a message of MESSAGES that this
     receiver handles, with the number of fields the table gives it."""
-    try:
-        name, *fields = msg
-        handler = handlers[name]
-    except (TypeError, ValueError, KeyError):
+    try:  # (the per-job path: no more work than this)
+        handler = handlers[msg[0]]
+        low, high = _ARITY[msg[0]]
+    except (TypeError, KeyError, IndexError):
         raise PeerError(f"{peer} sent an unexpected message {msg!r:.60}") from None
-    low, high = _ARITY[name]
-    if not low <= len(fields) <= high:
-        raise PeerError(f"{peer} sent {name!r} with {len(fields)} field(s), expected "
-                        f"{', '.join(MESSAGES[name]) or 'none'}")
-    return handler(*fields)
+    if not low < len(msg) <= high + 1:
+        raise PeerError(f"{peer} sent {msg[0]!r} with {len(msg) - 1} field(s), expected "
+                        f"{', '.join(MESSAGES[msg[0]]) or 'none'}")
+    return handler(*msg[1:])
 
 
 ###############################################################################
