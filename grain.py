@@ -32,6 +32,7 @@ Sections, in dependency order (each uses only what is above it):
     Subprocess pool     @subprocify and its on-demand pool of Python processes
     Config              grain.toml as frozen dataclasses
     Cluster             the batch systems as data (SYSTEMS), job scripts, job records
+    Results store       a mission's results in SQLite, keyed by what each job computes
     Workers             a worker as a head sees it; local, remote, specialized
     Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
     Head service        where workers, the CLI and missions reach a head
@@ -62,8 +63,6 @@ __all__ = [
 
 ###############################################################################
 # Trampoline ##################################################################
-
-
 ###############################################################################
 # Run as a script, this file would be module ``__main__`` and a job pickled by a mission
 # (which refers to ``grain.Cores``) would meet a second, different ``Cores`` class. So the
@@ -113,6 +112,7 @@ import statistics as _statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import types
@@ -140,6 +140,7 @@ class _ImportOnFirstUse(types.ModuleType):
 
 trio = _ImportOnFirstUse("trio")
 dill = _ImportOnFirstUse("dill")
+sqlite3 = _ImportOnFirstUse("sqlite3")  # only a mission with a results store needs it
 
 
 class _IgnoredTaskStatus:
@@ -166,8 +167,6 @@ log = logging.getLogger("grain")
 
 ###############################################################################
 # Constants ###################################################################
-
-
 ###############################################################################
 # Every tunable and timeout, with its unit. (Protocol constants stay with the protocol.)
 
@@ -203,6 +202,9 @@ HEAD_POLL_S = 0.005       # ... polling its socket this often
 SWARM_CHECK_S = 1.0       # seconds between comparisons of the swarm with its target
 SWARM_STATES_S = 5.0      # ... and between queries of the batch jobs not joined yet
 LOG_TAIL_LINES = 10       # lines of a job's log shown when it ended without joining
+STORE_FLUSH_S = 0.1       # results reach the store within this (a kill -9 loses no more)
+STORE_BEAT_S = 10.0       # seconds between refreshes of a results store's holder file
+STORE_STALE_S = 60.0      # ... after which one from another host is taken for dead
 
 
 ###############################################################################
@@ -250,8 +252,6 @@ class Unreachable(GrainError):
 
 ###############################################################################
 # Helpers #####################################################################
-
-
 ###############################################################################
 # Small pieces every later section may use: walltimes and durations, exceptions, the argv
 # that runs this file again, modules named in a config, files changed under a lock,
@@ -429,6 +429,19 @@ def hostname():
     return socket.gethostname().split(".")[0]
 
 
+def _pid_lives(pid):
+    """Does process ``pid`` of this host live? (True when it is someone else's.)"""
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def atomic_write(path, data, mode=0o600):
     """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -490,8 +503,6 @@ def _default_logging():
 
 ###############################################################################
 # Resources ###################################################################
-
-
 ###############################################################################
 # A resource object plays two roles: as a *request* it says what a job needs
 # (``Cores(3)``); as a *provider* it is what a worker still has free
@@ -797,8 +808,6 @@ def _part(res, kind):
 
 ###############################################################################
 # Resource kinds ##############################################################
-
-
 ###############################################################################
 # The built-in kinds: Cores, Memory, Capacity, Token, WTime (whose providers count down
 # and learn the walltime of job groups), Node, and Reject, which grants nothing.
@@ -1255,8 +1264,6 @@ RESOURCE_TYPES.update({cls.kind: cls for cls in (Cores, Memory, WTime, Token, Ca
 
 ###############################################################################
 # Context #####################################################################
-
-
 ###############################################################################
 # What a running job or mission may ask about lives in ContextVars, never module
 # globals: trio copies the context into each task, so every job sees its own
@@ -1315,8 +1322,6 @@ def _current_executor(what):
 
 ###############################################################################
 # Wire protocol ###############################################################
-
-
 ###############################################################################
 # Sans-I/O: nothing here reads or writes; the Transports below do. One frame format for
 # sockets and subprocess pipes: a 4-byte big-endian length, then the payload; the decoder
@@ -1557,8 +1562,6 @@ def dispatch(handlers, msg, peer="a peer"):
 
 ###############################################################################
 # Transports ##################################################################
-
-
 ###############################################################################
 # URLs name where to meet: ``tcp://host:port`` (``tcp://:port`` to listen on every
 # interface), ``unix:///path`` and ``edge:///abs/path/file``. serve(url, key, handler)
@@ -1759,14 +1762,7 @@ class EdgeFile:
         beat = record.get("heartbeat")
         if not isinstance(beat, (int, float)) or time.time() - beat > EDGE_STALE_S:
             return False
-        if record.get("host") == hostname() and isinstance(record.get("pid"), int):
-            try:
-                os.kill(record["pid"], 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        return True
+        return record.get("host") != hostname() or _pid_lives(record.get("pid"))
 
 
 def _order_urls(record):
@@ -2122,8 +2118,6 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 
 ###############################################################################
 # Subprocess pool #############################################################
-
-
 ###############################################################################
 # @subprocify runs a sync, CPU-bound function in a separate Python process so it
 # neither holds the GIL nor blocks the trio loop. Pool processes are this same file
@@ -2395,8 +2389,6 @@ def subprocify(fn):
 
 ###############################################################################
 # Config ######################################################################
-
-
 ###############################################################################
 # grain.toml, parsed into frozen dataclasses: top-level keys may be overridden in
 # [head] or [worker], and [script] key by key in [head.script] or [worker.script];
@@ -2538,10 +2530,11 @@ class RoleSettings:
     cli_dial: str = ""
     res: dict = field(default_factory=dict)
     specialized_type: str = ""    # a module: see the specialized workers in the README
+    results: str = ""             # a mission's results store (relative: to its directory)
 
 
 _COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
-                "contextmod": _want_str}
+                "contextmod": _want_str, "results": _want_str}
 
 
 _SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
@@ -2701,8 +2694,6 @@ def load_config(config_file=None):
 
 ###############################################################################
 # Cluster #####################################################################
-
-
 ###############################################################################
 # The batch systems, as data: SYSTEMS holds, for each, the job script's directives, how
 # to submit, cancel and ask about jobs, how a job learns its id and when its allocation
@@ -3104,9 +3095,234 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
 
 
 ###############################################################################
+# Results store ###############################################################
+###############################################################################
+# A mission's memory of the jobs it ran, in SQLite (the standard library's, a real
+# database): every job with resources is keyed by a digest of what it computes -- its
+# function's code and the code and plain values that code uses, its arguments, its
+# request but for time limits -- so a mission run again takes the stored value instead
+# of running the job. Results are written in batches, one transaction every
+# STORE_FLUSH_S: a `kill -9` loses at most that window, and SQLite's journal never lets
+# it corrupt the file. One mission writes a store at a time: a holder file beside it
+# (created atomically, refreshed every STORE_BEAT_S) names the mission that holds it.
+
+STORE_FORMAT = 1
+_LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
+
+
+def _user_module(name):
+    """Is module ``name`` the user's code (not Python's, nor an installed package, nor
+    grain itself)? Its code goes into a job's key; a library is keyed by name only."""
+    if name in ("grain", "trio", "dill") or name in sys.builtin_module_names:
+        return False
+    path = getattr(sys.modules.get(name), "__file__", None) or ""
+    return name == "__main__" or not path.startswith(_LIBRARY_ROOTS)
+
+
+def _feed_code(h, code, seen):
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _feed_code(h, const, seen)
+        else:
+            h.update(repr(const).encode())
+
+
+def _feed(h, obj, seen, depth=0):
+    """Feed ``h`` what defines ``obj``, a function, class or value a job's function uses."""
+    if id(obj) in seen or depth > 50:
+        return
+    seen.add(id(obj))
+    while isinstance(obj, functools.partial):
+        _feed(h, (obj.args, obj.keywords), seen, depth + 1)
+        obj = obj.func
+    obj = getattr(obj, "__wrapped__", obj)  # @subprocify, @delayed, functools.wraps
+    if isinstance(obj, (types.FunctionType, type)) and not _user_module(obj.__module__):
+        h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
+    elif isinstance(obj, types.FunctionType):
+        _feed_code(h, obj.__code__, seen)
+        for v in (obj.__defaults__ or ()) + tuple(c.cell_contents for c in obj.__closure__ or ()):
+            _feed(h, v, seen, depth + 1)
+        for name in obj.__code__.co_names:
+            if name in obj.__globals__:
+                _feed(h, obj.__globals__[name], seen, depth + 1)
+    elif isinstance(obj, type):
+        h.update(obj.__qualname__.encode())
+        for value in vars(obj).values():
+            _feed(h, value, seen, depth + 1)
+    elif isinstance(obj, types.ModuleType):
+        h.update(obj.__name__.encode())
+    elif isinstance(obj, (int, float, complex, str, bytes, bool, type(None), tuple)):
+        h.update(repr(obj).encode())  # a constant the code reads
+
+
+def code_digest(fn):
+    """A digest of what ``fn`` computes: its code, and the code, closures and plain
+    constants of the user's functions and classes it uses (an edited body is a new key;
+    a library's function is keyed by its name)."""
+    h = hashlib.sha256()
+    _feed(h, fn, set())
+    return h.digest()
+
+
+class _KeyPickler(pickle.Pickler):
+    """Pickles the same values to the same bytes in every run: sets, whose order follows
+    the per-process string hash, are sorted first."""
+
+    def reducer_override(self, obj):
+        if type(obj) in (set, frozenset):
+            return type(obj), (sorted(obj, key=repr),)
+        return NotImplemented
+
+
+def job_key(fn_digest, args, kwargs, req):
+    """The store key of a job: its function's digest, its arguments pickled the same way in
+    every run, and its request (but for WTime: time limits do not change what a job
+    computes). TypeError when its arguments cannot be pickled."""
+    buf = io.BytesIO()
+    try:
+        _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
+    except Exception as e:
+        raise TypeError(f"{e}") from None
+    request = {k: v._args() for k, v in req._parts().items() if k != "WTime"}
+    h = hashlib.sha256(fn_digest)
+    h.update(buf.getvalue())
+    h.update(json.dumps(request, sort_keys=True, default=repr).encode())
+    return h.hexdigest()[:40]
+
+
+class ResultStore:
+    """The results of a mission's jobs, by key, in an SQLite file (see the section)."""
+
+    def __init__(self, path):
+        self.path = os.path.abspath(path)
+        self.holder = self.path + ".holder"
+        self.states = {}     # key -> "done" | "failed" | "running", as stored
+        self._pending = []   # rows written at the next flush()
+        self._db = None
+        self._lock = threading.Lock()  # the database, and _pending, between threads
+
+    # -- opening and holding -------------------------------------------------------
+    def open(self):
+        """Take the store (GrainError naming the mission that holds it) and read its
+        index; a file that is not a readable store is a GrainError naming it."""
+        self._take_hold()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=DELETE")  # WAL needs shared memory: no NFS
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, "
+                             "function TEXT, state TEXT, value BLOB, error TEXT, kind TEXT, "
+                             "duration REAL, finished REAL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
+                             (str(STORE_FORMAT),))
+            self.states = dict(self._db.execute("SELECT key, state FROM results"))
+        except sqlite3.DatabaseError as e:
+            self.close()
+            raise GrainError(f"results store {self.path} cannot be read ({e}); move it away "
+                             "to start a new one") from None
+        return self
+
+    def _take_hold(self):
+        me = {"host": hostname(), "pid": os.getpid(), "since": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.holder, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                if not self._stale_holder():
+                    raise
+                continue  # the holder died: its file was removed; take it
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            return
+        raise GrainError(f"results store {self.path}: cannot take it")
+
+    def _stale_holder(self):
+        """Remove the holder file of a mission that died; GrainError if it lives."""
+        try:
+            with open(self.holder) as f:
+                who = json.load(f)
+            age = time.time() - os.stat(self.holder).st_mtime
+        except (OSError, ValueError):
+            return True
+        same_host = who.get("host") == hostname()
+        dead = (same_host and not _pid_lives(who.get("pid"))) or \
+            (not same_host and age > STORE_STALE_S)
+        if not dead:
+            raise GrainError(
+                f"results store {self.path} is in use by the mission pid {who.get('pid')} "
+                f"on {who.get('host')} (since {time.ctime(who.get('since', 0))}); one "
+                "mission writes a store at a time")
+        with contextlib.suppress(OSError):
+            os.unlink(self.holder)
+        return True
+
+    def beat(self):
+        """Say the holder is alive (a mission on another host tells a stale file by age)."""
+        with contextlib.suppress(OSError):
+            os.utime(self.holder)
+
+    def close(self):
+        if self._db is not None:
+            self.flush()
+            self._db.close()
+            self._db = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.holder)
+
+    # -- reading and writing -------------------------------------------------------
+    def fetch(self, key):
+        """``(state, value bytes, error text, kind)`` stored for ``key``."""
+        with self._lock:
+            return self._db.execute("SELECT state, value, error, kind FROM results "
+                                    "WHERE key = ?", (key,)).fetchone()
+
+    def record(self, key, function, state, value=None, error=None, kind=None,
+               duration=None):
+        """Remember a job's state (written at the next flush)."""
+        self.states[key] = state
+        with self._lock:
+            self._pending.append((key, function, state, value, error, kind, duration,
+                                  time.time()))
+
+    def flush(self):
+        """Write what was recorded, in one transaction (called from a thread)."""
+        with self._lock:
+            rows, self._pending = self._pending, []
+            if rows and self._db is not None:
+                with self._db:  # BEGIN ... COMMIT
+                    self._db.execute("BEGIN")
+                    self._db.executemany("INSERT OR REPLACE INTO results VALUES "
+                                         "(?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def summary(self):
+        """``[(function, state, count)]`` and the file's size in bytes."""
+        rows = self._db.execute("SELECT function, state, COUNT(*) FROM results "
+                                "GROUP BY function, state ORDER BY function, state")
+        return list(rows), os.path.getsize(self.path)
+
+    def forget(self, pattern, state=None):
+        """Drop the entries of the functions matching the glob ``pattern`` (and ``state``);
+        returns how many."""
+        self.flush()
+        names = [n for (n,) in self._db.execute("SELECT DISTINCT function FROM results")
+                 if fnmatch.fnmatchcase(n, pattern)]
+        dropped = 0
+        with self._db:
+            self._db.execute("BEGIN")
+            for name in names:
+                cur = self._db.execute("DELETE FROM results WHERE function = ?" +
+                                       (" AND state = ?" if state else ""),
+                                       (name, state) if state else (name,))
+                dropped += cur.rowcount
+        return dropped
+
+
+###############################################################################
 # Workers #####################################################################
-
-
 ###############################################################################
 # A worker, as a head sees it: a name, the resources it has free (``res``, a provider
 # the Scheduler allocates from; a worker without WTime gets an unlimited one, so timed
@@ -3309,8 +3525,8 @@ class RemoteWorker(Worker):
 
     def start(self, job):
         digest = self._send_function(job.fn)
-        self.jobs[job.id] = job
-        self.channel.send(("run", job.id, digest, job.payload, job.alloc, job.T))
+        self.jobs[job.wire] = job
+        self.channel.send(("run", job.wire, digest, job.payload, job.alloc, job.T))
 
     def message_handlers(self):
         """What this peer may send, by message name."""
@@ -3328,8 +3544,8 @@ class RemoteWorker(Worker):
     def cancel(self, job):
         """Stop a running job whose result nobody wants any more; its resources come back
         when the worker confirms ("cancelled") or reports it done anyway."""
-        if job.id in self.jobs:
-            self.channel.send(("cancel", job.id))
+        if job.wire in self.jobs:
+            self.channel.send(("cancel", job.wire))
 
     def on_cancelled(self, jid):
         job = self.jobs.pop(jid, None)
@@ -3389,8 +3605,6 @@ class SpecializedWorker(LocalWorker):
 
 ###############################################################################
 # Scheduler ###################################################################
-
-
 ###############################################################################
 # The queue policy, synchronous and free of I/O: which job starts on which worker, and
 # when. It sees jobs only through their attributes (queue, req, group, state, attempts,
@@ -3708,8 +3922,6 @@ class Scheduler:
 
 ###############################################################################
 # Head service ################################################################
-
-
 ###############################################################################
 # Where workers and CLI clients reach a head -- a mission's own, or the head daemon --
 # at its address: the first message of a connection says who it is. A registered
@@ -3916,8 +4128,6 @@ class HeadService:
 
 ###############################################################################
 # Mission link ################################################################
-
-
 ###############################################################################
 # How a mission reaches the head daemon for its address: the one on this host (a Unix
 # socket in /tmp/grain-<uid>), else one answering at the address elsewhere, else a new
@@ -4080,8 +4290,6 @@ class MissionLink:
 
 ###############################################################################
 # Executor ####################################################################
-
-
 ###############################################################################
 # A mission's engine: it takes jobs (submit), runs those without resources here at once
 # and queues the others with its Scheduler, retries failures by class, hands results to
@@ -4099,10 +4307,11 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "duration", "payload", "queue", "ref")
+                 "duration", "payload", "queue", "ref", "wire")
 
     def __init__(self, jid, req, fn, args, kwargs, queue=None):
         self.id = jid
+        self.wire = jid        # how workers know it: its store key#n when it has one
         self.queue = queue     # the JobQueue it waits in (one per mission)
         self.ref = None        # on a head daemon: the mission's own id for it
         self.req = req
@@ -4276,7 +4485,8 @@ class GrainExecutor:
 
     def __init__(self, waddrs=(), rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES,
                  name="local", listen=None, key=None, max_frame=MAX_FRAME, mission=None,
-                 nolocal=False, reschedule=True, persistent=True, **no_effect):
+                 results=None, rerun_failed=True, nolocal=False, reschedule=True,
+                 persistent=True, **no_effect):
         if isinstance(waddrs, Resource):  # grain.py's GrainExecutor(rpw) (upstream: waddrs first)
             waddrs, rpw = (), waddrs
         if rpw is not None and not isinstance(rpw, Resource):
@@ -4302,6 +4512,9 @@ class GrainExecutor:
         # jobs may leave this process: their function and arguments are pickled at once
         self._remote = bool(listen or waddrs or self._link)
         self.service = None       # the HeadService, while it runs
+        self.store = ResultStore(results) if results else None
+        self.rerun_failed = rerun_failed
+        self._digests, self._key_counts, self._unkeyable = {}, {}, set()
         self._jobs = []           # every job, in submission order
         self._ids = itertools.count(1)
         self._outstanding = 0
@@ -4399,9 +4612,66 @@ class GrainExecutor:
         if req is ZERO or (req.kind is None and not req._parts()):
             self.scheduler.launch(job, self._zero_worker)  # in this process, at once
             return
+        if self.store is not None and self._stored(job):
+            return
         self.scheduler.push(job)
         if self._link is not None:
             self._link.open(self._nursery)
+
+    # -- the results store -----------------------------------------------------------
+    def _stored(self, job):
+        """Key ``job`` for the results store; True when its result is stored already: the
+        job is then completed from there (soon), and does not run."""
+        try:
+            digest = self._digests.get(job.fn)
+            if digest is None:
+                digest = self._digests[job.fn] = code_digest(job.fn)
+            key = job_key(digest, job.args, job.kwargs, job.req)
+        except TypeError as e:
+            name = _callable_name(job.fn)
+            if name not in self._unkeyable:
+                self._unkeyable.add(name)
+                log.warning("jobs of %s cannot be keyed for the results store (%s): they "
+                            "run every time", name, e)
+            return False
+        n = self._key_counts[key] = self._key_counts.get(key, -1) + 1
+        job.wire = f"{key}#{n}"
+        state = self.store.states.get(key)
+        if state == "done" or (state == "failed" and not self.rerun_failed):
+            self._nursery.start_soon(self._complete_stored, job, key)
+            return True
+        return False
+
+    async def _complete_stored(self, job, key):
+        state, data, error, kind = await trio.to_thread.run_sync(self.store.fetch, key)
+        value = loads_job_value(data) if data is not None else None
+        if state == "done":
+            self._complete(job, value, None)
+            return
+        exc = value[0] if isinstance(value, tuple) else GrainError(error)
+        add_note(exc, f"grain: the result of an earlier run, from {self.store.path}")
+        self._complete(job, None, exc, kind)
+
+    def _store_result(self, job, value, error, kind):
+        try:
+            data = dumps_job_value(value if error is None else (error, ""), "the result")
+        except TypeError as e:
+            log.warning("the result of %s is not stored: %s", job.name, e)
+            return
+        self.store.record(job.wire.partition("#")[0], _callable_name(job.fn),
+                          "done" if error is None else "failed", data,
+                          None if error is None else f"{type(error).__name__}: {error}",
+                          kind, job.duration)
+
+    async def _keep_store(self):
+        """Write recorded results every STORE_FLUSH_S; say the store is held."""
+        beat = trio.current_time()
+        while True:
+            await trio.sleep(STORE_FLUSH_S)
+            await trio.to_thread.run_sync(self.store.flush)
+            if trio.current_time() - beat > STORE_BEAT_S:
+                beat = trio.current_time()
+                self.store.beat()
 
     # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
@@ -4480,6 +4750,8 @@ class GrainExecutor:
             self.retries.note(job, error, kind)
             job.error, job.state = error, "failed"
             kind = kind or failure_class(error)
+        if self.store is not None and job.attempts and type(job.wire) is str:
+            self._store_result(job, value, error, kind)
         self.tally.ended(job.state, kind)
         if job._event is not None:
             job._event.set()
@@ -4536,6 +4808,9 @@ class GrainExecutor:
         return self
 
     async def _open(self):
+        if self.store is not None:  # first: a store another mission holds stops us here
+            await trio.to_thread.run_sync(self.store.open)
+            self._stack.callback(self.store.close)
         # The context modules first: they outlive the nursery where jobs run.
         m = self.mission
         output = self._stack.enter_context(_routed_job_output(m.job_log))
@@ -4558,6 +4833,8 @@ class GrainExecutor:
         for name, value, res in backendless:
             self.add_worker(LocalWorker(self, res, name, self._nursery, value))
         self._nursery.start_soon(self._watch_stuck)
+        if self.store is not None:
+            self._nursery.start_soon(self._keep_store)
         if self._remote and self.key is None:
             self.key = load_auth_key()
         if self.listen or self.waddrs:
@@ -4631,8 +4908,6 @@ class GrainExecutor:
 
 ###############################################################################
 # Combine #####################################################################
-
-
 ###############################################################################
 # The "combine" front end (seed 000): waitgroups of jobs and subtasks, exec1 for one
 # job, run_combine as the entry point.
@@ -4805,6 +5080,10 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     own_head = (len(executor_args) > 1 or "rpw" in executor_kwargs or waddrs
                 or not head.gnaw_enabled or worker.specialized_type)
     key = load_auth_key(head.auth_key or None) if (address or waddrs) else None
+    if head.results and "results" not in executor_kwargs:  # beside the mission's script
+        main_file = os.path.abspath(sys.argv[0] or ".")
+        where = os.path.dirname(main_file) if os.path.isfile(main_file) else os.getcwd()
+        executor_kwargs["results"] = os.path.join(where, head.results)
     if may_attach and address and not own_head:
         config = ["-c", cfg.path] if cfg.path else ["--no-config"]
         log_file = os.path.abspath(_stamp(head.daemon_log, time.time()))
@@ -4824,8 +5103,6 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
 
 ###############################################################################
 # Delayed #####################################################################
-
-
 ###############################################################################
 # The "delayed" front end (seeds 001, 004). Calling a delayed function submits its
 # job at once and returns a Delayed: a placeholder that composes with operators,
@@ -5246,8 +5523,6 @@ def set_numpy_oneline_repr(on=True):
 
 ###############################################################################
 # Worker process ##############################################################
-
-
 ###############################################################################
 # ``python grain.py worker --url URL``: one per node. It connects to a head (or, with
 # ``--listen``, waits for a head to dial it), registers its name and resources, runs the
@@ -5529,8 +5804,6 @@ async def _worker_session(url, res, name, context, listen, key, max_frame, overs
 
 ###############################################################################
 # Head daemon #################################################################
-
-
 ###############################################################################
 # ``python grain.py head``: the scheduler on its own, shared by every mission with the
 # same address, so workers outlive a mission and serve the next one. It is made of the
@@ -5891,8 +6164,6 @@ async def head_main(s, worker, key, idle_quit=None):
 
 ###############################################################################
 # Pack ########################################################################
-
-
 ###############################################################################
 # ``python grain.py pack``: one self-contained zipapp (grain.py, trio and everything
 # it imports, dill, and tomli below 3.11) for clusters with no pip. Wheels come from
@@ -6119,8 +6390,6 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
 
 ###############################################################################
 # CLI #########################################################################
-
-
 ###############################################################################
 # ``python grain.py COMMAND``. build_parser() describes the commands; main(argv) runs
 # one and returns the exit code. Only main configures logging or decides to exit. The
@@ -6270,6 +6539,12 @@ _COMMAND_LINE = [
           (("--wheels",), dict(metavar="DIR", help="take the wheels from DIR (offline)"))]),
     ("start", "submit the head job (head.cmd), or run it --local", ("config", "dry"), [
         (("--local",), dict(action="store_true", help="run head.cmd here instead"))]),
+    ("results", "show what a results store holds, or forget some of it", (), [
+        (("store",), dict(metavar="STORE", help="the store's file (run(results=...))")),
+        (("--forget",), dict(metavar="PATTERN", help="drop the entries of the functions "
+                             "matching this glob, e.g. 'compute*'")),
+        (("--state",), dict(choices=("done", "failed", "running"), help="with --forget: "
+                            "only those, e.g. failed"))]),
 ]
 
 
@@ -6474,6 +6749,26 @@ def _cmd_down(args):
     return 0
 
 
+def _cmd_results(args):
+    if not os.path.isfile(args.store):
+        raise UsageError(f"results store {args.store}: no such file")
+    store = ResultStore(args.store).open()
+    try:
+        if args.forget:
+            n = store.forget(args.forget, args.state)
+            print(f"forgot {n} entr{'y' if n == 1 else 'ies'} of {args.forget!r}"
+                  f"{' (' + args.state + ')' if args.state else ''}")
+        rows, size = store.summary()
+    finally:
+        store.close()
+    width = max([len("FUNCTION")] + [len(f) for f, _, _ in rows])
+    print(f"{'FUNCTION'.ljust(width)}  STATE    JOBS")
+    for function, state, count in rows:
+        print(f"{function.ljust(width)}  {state.ljust(7)}  {count}")
+    print(f"{sum(c for _, _, c in rows)} job(s), {size / 1e6:.2f} MB: {os.path.abspath(args.store)}")
+    return 0
+
+
 def _cmd_pack(args):
     pack(args.output, args.python, args.wheels)
     return 0
@@ -6481,7 +6776,7 @@ def _cmd_pack(args):
 
 _COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_at_head,
              "up": _cmd_up, "down": _cmd_down, "start": _cmd_start, "head": _cmd_head,
-             "stop": _cmd_at_head, "scale": _cmd_at_head}
+             "stop": _cmd_at_head, "scale": _cmd_at_head, "results": _cmd_results}
 
 
 def main(argv=None):
@@ -6528,8 +6823,6 @@ def main(argv=None):
 
 ###############################################################################
 # Submodules ##################################################################
-
-
 ###############################################################################
 # ``from grain.delayed import delayed`` must work although grain is one file. Each
 # virtual submodule forwards the names it lists to this module (one source of truth)
