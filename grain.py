@@ -205,6 +205,11 @@ LOG_TAIL_LINES = 10       # lines of a job's log shown when it ended without joi
 STORE_FLUSH_S = 0.1       # results reach the store within this (a kill -9 loses no more)
 STORE_BEAT_S = 10.0       # seconds between refreshes of a results store's holder file
 STORE_STALE_S = 60.0      # ... after which one from another host is taken for dead
+REATTACH_S = 600.0        # worker.reattach: how long a worker whose head went keeps its jobs
+REJOIN_WAIT_S = 10.0      # a new head holds jobs that were running this long for their worker
+ORPHAN_WAIT_S = 300.0     # a job a worker came back with that no mission claims is cancelled
+REATTACH_POLL_S = 0.5     # seconds between a lone worker's tries to reach a new head
+RESEND_S = 60.0           # results sent this long before a head was lost go to the next too
 
 
 ###############################################################################
@@ -439,7 +444,11 @@ def _pid_lives(pid):
         return False
     except PermissionError:
         pass
-    return True
+    try:  # a process killed a moment ago may not have been reaped yet
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def atomic_write(path, data, mode=0o600):
@@ -552,6 +561,11 @@ class Resource:
         """Why this provider cannot allocate ``res`` (alloc's error message)."""
         return f"{self!r} cannot allocate {res!r}"
 
+    def _claim(self, res):
+        """Take out an allocation made before (by this provider, in an earlier life)."""
+        if self._request(res):
+            self._alloc(res)
+
     def _args(self):
         """Constructor arguments: the dict form, equality and copies use them."""
         raise NotImplementedError(f"{type(self).__name__} has no dict form")
@@ -605,6 +619,14 @@ class Resource:
                 raise ValueError(f"Cannot dealloc: resource {self!r} does not have the same "
                                  f"shape as {alloc!r}")
             mine._dealloc(part)
+
+    def claim(self, alloc):
+        """Take out of this provider an allocation it made before: that of a job a worker
+        still runs when it comes back to a new head."""
+        have = self._parts()
+        for kind, part in alloc._parts().items():
+            if kind in have:
+                have[kind]._claim(part)
 
     def stat(self):
         """``{kind: (free, total)}`` for every part."""
@@ -905,6 +927,11 @@ class Cores(Resource):
             bisect.insort(ids, i)
         self.N = len(ids)
 
+    def _claim(self, res):
+        ids = self._id_list()
+        ids[:] = [i for i in ids if i not in set(res._ids)]
+        self.N = len(ids)
+
     def _refusal(self, res):
         return f"{self!r} cannot allocate {res.N} core(s)"
 
@@ -954,6 +981,9 @@ class _Quantity(Resource):
 
     def _dealloc(self, res):
         self._q += res._need()
+
+    def _claim(self, res):
+        self._q -= res._need()
 
     def _repr(self):
         return f"{self.kind}({self._q:g}{self._UNIT})"
@@ -1526,7 +1556,7 @@ MESSAGES = {
     "reply": ("reply",),                     # head -> CLI: a dict
     # jobs
     "fn": ("digest", "data", "[name]"),      # a job function, sent once per peer
-    "job": ("ref", "req", "digest", "payload"),          # mission -> head daemon
+    "job": ("ref", "req", "digest", "payload", "[resumed]"),  # mission -> head daemon
     "run": ("jid", "digest", "payload", "alloc", "T"),   # head -> worker
     "done": ("jid", "ok", "data", "duration", "[kind]"),  # worker -> head -> mission
     "cancel": ("jid",),                      # head -> worker: nobody wants it any more
@@ -1883,6 +1913,14 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
     unix = await _unix_listener(sock_path)
     urls["unix"] = f"unix://{sock_path}"
     record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
+    with edge.locked() as data:
+        current = data["listener"]
+    silent = None  # the lid of a record that looks live but whose head does not answer
+    if EdgeFile.live(current):
+        try:
+            await (await _try_connect(_order_urls(current), key)).aclose()
+        except Unreachable:
+            silent = current.get("lid")
 
     async def call(dialer):
         try:
@@ -1901,7 +1939,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
             while True:
                 with edge.locked() as data:
                     current = data["listener"]
-                    if first and EdgeFile.live(current):
+                    if first and EdgeFile.live(current) and current.get("lid") != silent:
                         raise GrainError(
                             f"a head is already listening at edge://{path} (pid "
                             f"{current.get('pid')} on {current.get('host')}); stop it first")
@@ -2530,6 +2568,7 @@ class RoleSettings:
     cli_dial: str = ""
     res: dict = field(default_factory=dict)
     specialized_type: str = ""    # a module: see the specialized workers in the README
+    reattach: float = REATTACH_S  # seconds a worker whose head went keeps its jobs for another
     results: str = ""             # a mission's results store (relative: to its directory)
 
 
@@ -2561,7 +2600,7 @@ _ROLE_KEYS = {
              "swarm_window": _want_duration},
     "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
                "cli_dial": _want_str, "res": _want_resources,
-               "specialized_type": _want_str},
+               "specialized_type": _want_str, "reattach": _want_duration},
 }
 
 
@@ -2947,6 +2986,7 @@ def worker_command(s, grain_path=None):
         argv += ["--sworker", s.specialized_type]
     if s.auth_key:
         argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
+    argv += ["--reattach", f"{s.reattach:g}s"]
     return " ".join(shlex.quote(a) for a in argv)
 
 
@@ -3168,28 +3208,33 @@ def code_digest(fn):
 
 class _KeyPickler(pickle.Pickler):
     """Pickles the same values to the same bytes in every run: sets, whose order follows
-    the per-process string hash, are sorted first."""
+    the per-process string hash, go sorted. (Through persistent_id: the C pickler asks
+    it of every object, but not reducer_override of a set.) Its bytes are never loaded."""
 
-    def reducer_override(self, obj):
+    def persistent_id(self, obj):
         if type(obj) in (set, frozenset):
-            return type(obj), (sorted(obj, key=repr),)
-        return NotImplemented
+            return type(obj).__name__, sorted(obj, key=repr)
+        return None
+
+
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def job_key(fn_digest, args, kwargs, req):
     """The store key of a job: its function's digest, its arguments pickled the same way in
     every run, and its request (but for WTime: time limits do not change what a job
     computes). TypeError when its arguments cannot be pickled."""
-    buf = io.BytesIO()
     try:
-        _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
+        if not kwargs and all(type(a) in _PLAIN for a in args):  # the common case, fast
+            data = b"a" + pickle.dumps(args, protocol=4)
+        else:
+            buf = io.BytesIO()
+            _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
+            data = b"k" + buf.getvalue()
     except Exception as e:
         raise TypeError(f"{e}") from None
-    request = {k: v._args() for k, v in req._parts().items() if k != "WTime"}
-    h = hashlib.sha256(fn_digest)
-    h.update(buf.getvalue())
-    h.update(json.dumps(request, sort_keys=True, default=repr).encode())
-    return h.hexdigest()[:40]
+    request = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
+    return hashlib.sha256(fn_digest + data + request.encode()).hexdigest()[:40]
 
 
 class ResultStore:
@@ -3201,24 +3246,36 @@ class ResultStore:
         self.states = {}     # key -> "done" | "failed" | "running", as stored
         self._pending = []   # rows written at the next flush()
         self._db = None
-        self._lock = threading.Lock()  # the database, and _pending, between threads
+        self.held = False
+        self._lock = threading.Lock()     # the database, between threads
+        self._pending_lock = threading.Lock()  # _pending (held a moment: record() waits)
 
     # -- opening and holding -------------------------------------------------------
-    def open(self):
+    def open(self, hold=True):
         """Take the store (GrainError naming the mission that holds it) and read its
-        index; a file that is not a readable store is a GrainError naming it."""
-        self._take_hold()
+        index; a file that is not a readable store is a GrainError naming it. Without
+        ``hold``: to read only, while a mission may hold it."""
+        if hold:
+            self._take_hold()
+        self.held = hold
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=DELETE")  # WAL needs shared memory: no NFS
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, "
-                             "function TEXT, state TEXT, value BLOB, error TEXT, kind TEXT, "
-                             "duration REAL, finished REAL)")
-            self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
-                             (str(STORE_FORMAT),))
+            if not hold:
+                where = self.path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+                self._db = sqlite3.connect(f"file:{where}?mode=ro", uri=True,
+                                           check_same_thread=False)
+            else:
+                self._db = sqlite3.connect(self.path, check_same_thread=False,
+                                           isolation_level=None)
+                # (WAL would need shared memory between processes: not on NFS)
+                self._db.execute("PRAGMA journal_mode=DELETE")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY "
+                                 "KEY, function TEXT, state TEXT, value BLOB, error TEXT, "
+                                 "kind TEXT, duration REAL, finished REAL) WITHOUT ROWID")
+                self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, "
+                                 "v TEXT)")
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
+                                 (str(STORE_FORMAT),))
             self.states = dict(self._db.execute("SELECT key, state FROM results"))
         except sqlite3.DatabaseError as e:
             self.close()
@@ -3270,8 +3327,10 @@ class ResultStore:
             self.flush()
             self._db.close()
             self._db = None
-        with contextlib.suppress(OSError):
-            os.unlink(self.holder)
+        if self.held:
+            self.held = False
+            with contextlib.suppress(OSError):
+                os.unlink(self.holder)
 
     # -- reading and writing -------------------------------------------------------
     def fetch(self, key):
@@ -3284,14 +3343,15 @@ class ResultStore:
                duration=None):
         """Remember a job's state (written at the next flush)."""
         self.states[key] = state
-        with self._lock:
+        with self._pending_lock:
             self._pending.append((key, function, state, value, error, kind, duration,
                                   time.time()))
 
     def flush(self):
         """Write what was recorded, in one transaction (called from a thread)."""
-        with self._lock:
+        with self._pending_lock:
             rows, self._pending = self._pending, []
+        with self._lock:
             if rows and self._db is not None:
                 with self._db:  # BEGIN ... COMMIT
                     self._db.execute("BEGIN")
@@ -3321,6 +3381,78 @@ class ResultStore:
         return dropped
 
 
+class MissionResults:
+    """A mission's use of its results store: it keys each job with resources (``job.wire``
+    becomes ``key#n``, the n-th job of that key in this run: its key in the store and on
+    the workers), answers whether its result is stored (``known``), records results, and
+    writes them every STORE_FLUSH_S (``keep``)."""
+
+    def __init__(self, path, rerun_failed=True):
+        self.store = ResultStore(path)
+        self.rerun_failed = rerun_failed
+        self._digests, self._counts, self._unkeyable = {}, {}, set()
+
+    def known(self, job):
+        """Key ``job``; "stored" when its result is stored already (then it is not to run),
+        "running" when it was running when the last run of this mission ended."""
+        try:
+            digest = self._digests.get(job.fn)
+            if digest is None:
+                digest = self._digests[job.fn] = code_digest(job.fn)
+            key = job_key(digest, job.args, job.kwargs, job.req)
+        except TypeError as e:
+            name = _callable_name(job.fn)
+            if name not in self._unkeyable:
+                self._unkeyable.add(name)
+                log.warning("jobs of %s cannot be keyed for the results store (%s): they "
+                            "run every time", name, e)
+            return None
+        # The n-th job of a key in a run is stored as such: a mission that draws 100
+        # samples with the same call gets its 100 results back, not one of them 100 times.
+        n = self._counts[key] = self._counts.get(key, -1) + 1
+        job.wire = f"{key}#{n}"
+        state = self.store.states.get(job.wire)
+        if state == "done" or (state == "failed" and not self.rerun_failed):
+            return "stored"
+        return state if state == "running" else None
+
+    def running(self, job):
+        """Remember that ``job`` went to a worker process (it may outlive this run)."""
+        self.store.record(job.wire, _callable_name(job.fn), "running")
+
+    async def fetch(self, job):
+        """``(value, error, kind)`` stored for a known job."""
+        state, data, error, kind = await trio.to_thread.run_sync(
+            self.store.fetch, job.wire)
+        value = loads_job_value(data) if data is not None else None
+        if state == "done":
+            return value, None, None
+        exc = value[0] if isinstance(value, tuple) else GrainError(error)
+        add_note(exc, f"grain: the result of an earlier run, from {self.store.path}")
+        return None, exc, kind
+
+    def record(self, job, value, error, kind):
+        try:
+            data = dumps_job_value(value if error is None else (error, ""), "the result")
+        except TypeError as e:
+            log.warning("the result of %s is not stored: %s", job.name, e)
+            return
+        self.store.record(job.wire, _callable_name(job.fn),
+                          "done" if error is None else "failed", data,
+                          None if error is None else f"{type(error).__name__}: {error}",
+                          kind, job.duration)
+
+    async def keep(self):
+        """Write recorded results every STORE_FLUSH_S; say the store is held."""
+        beat = trio.current_time()
+        while True:
+            await trio.sleep(STORE_FLUSH_S)
+            await trio.to_thread.run_sync(self.store.flush)
+            if trio.current_time() - beat > STORE_BEAT_S:
+                beat = trio.current_time()
+                self.store.beat()
+
+
 ###############################################################################
 # Workers #####################################################################
 ###############################################################################
@@ -3335,7 +3467,10 @@ class ResultStore:
 #   owner.job_interrupted(job, kind, why)                     its worker went away
 #   owner.job_cancelled(job)                                  cancelled, as asked
 #
-# and asks ``owner.function_bytes(fn)`` for a job function to send. LocalWorker runs
+# and asks ``owner.function_bytes(fn)`` for a job function to send. A remote worker also
+# says ``owner.job_sent(job)`` of a job that may outlive this head (one with a string id:
+# a store key, a mission's token), and hands ``owner.reunion`` (see Head service) what
+# it ran for an earlier head. LocalWorker runs
 # jobs as tasks of this process; RemoteWorker is a worker process at the other end of a
 # Channel; SpecializedWorker runs here the jobs of a worker process that keeps a server.
 
@@ -3350,6 +3485,52 @@ RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, S
 def failure_class(error):
     """How a job that raised ``error`` failed, for counts and messages (not retried)."""
     return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+
+
+class FunctionBytes:
+    """``(digest, bytes)`` of job functions, each serialized once (an executor's cache)."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def __call__(self, fn):
+        try:
+            hit = self._cache.get(fn)
+        except TypeError:  # unhashable callable
+            hit = None
+        if hit is None:
+            data = dumps_job_value(fn, f"the job function {_callable_name(fn)}")
+            hit = (hashlib.sha1(data).digest(), data)
+            with contextlib.suppress(TypeError):
+                self._cache[fn] = hit
+        return hit
+
+
+def pickle_arguments(job):
+    """A job's arguments as a worker process gets them; a TypeError naming the culprit."""
+    if not job.args and not job.kwargs:
+        return NO_ARGS_PAYLOAD
+    try:
+        return dumps_job_value((job.args, dict(job.kwargs)), "")
+    except TypeError as e:
+        raise TypeError(f"job {_callable_name(job.fn)}: {_culprit(job.args, job.kwargs)} "
+                        f"cannot be pickled{str(e)[19:]}") from None
+
+
+def unpickle_result(job, ok, data, where):
+    """``(value, error)`` from a result a worker process sent (the traceback it sent
+    becomes a note of the error)."""
+    try:
+        value = loads_job_value(data)
+    except Exception as e:
+        return None, GrainError(f"the result of job {job.name} could not be unpickled "
+                                f"here: {e}")
+    if ok:
+        return value, None
+    error, tb = value
+    if tb:
+        add_note(error, f"Traceback on worker {where}:\n{tb.rstrip()}")
+    return None, error
 
 
 class Worker:
@@ -3507,7 +3688,8 @@ class RemoteWorker(Worker):
         self.channel = channel
         self.pid = pid
         self.host = host
-        self.jobs = {}              # job id -> Job running there
+        self.jobs = {}              # wire id -> Job running there
+        self.orphans = {}           # wire id -> allocation of a job no one has claimed yet
         self.known_functions = set()
         self.leaving = None         # why it announced it leaves, if it did
 
@@ -3527,6 +3709,8 @@ class RemoteWorker(Worker):
         digest = self._send_function(job.fn)
         self.jobs[job.wire] = job
         self.channel.send(("run", job.wire, digest, job.payload, job.alloc, job.T))
+        if type(job.wire) is str:  # a job that may outlive this head: say it runs
+            self.owner.job_sent(job)
 
     def message_handlers(self):
         """What this peer may send, by message name."""
@@ -3537,6 +3721,15 @@ class RemoteWorker(Worker):
         job = self.jobs.pop(jid, None)
         if job is not None:
             self.owner.job_reported(job, ok, data, duration, kind, self.name)
+        else:  # one it ran while it had no head: it may be what a job waits for
+            self.release_orphan(jid)
+            self.owner.reunion.worker_finished(jid, (ok, data, duration, kind))
+
+    def release_orphan(self, jid):
+        alloc = self.orphans.pop(jid, None)
+        if alloc is not None:
+            self.res.dealloc(alloc)
+            self.running -= 1
 
     def status(self):
         return "leaving" if self.leaving else super().status()
@@ -3551,6 +3744,7 @@ class RemoteWorker(Worker):
         job = self.jobs.pop(jid, None)
         if job is not None:
             self.owner.job_cancelled(job)
+        self.release_orphan(jid)
 
     def on_leaving(self, why):
         self.leaving, self.accepting = why, False
@@ -3929,7 +4123,8 @@ class Scheduler:
 # owner as interrupted; CLI commands are answered from a table of handlers. The owner
 # (an Executor, or the HeadDaemon) keeps the Scheduler and answers the worker protocol
 # (see Workers), plus: add_worker(w), remove_worker(w), tally, statistics(),
-# serve_mission(channel, info) and warn_all(text).
+# serve_mission(channel, info) and warn_all(text). A worker that comes back after its
+# head died is matched to the jobs of the new one by a Reunion.
 
 
 async def receive_all(channel, handlers):
@@ -3943,6 +4138,97 @@ async def receive_all(channel, handlers):
         if msg is None:
             return
         dispatch(handlers, msg, channel.peer)
+
+
+def _adopt(job, w, alloc):
+    """``job`` runs on ``w`` already: its worker came back to this head with it."""
+    job.state, job.alloc, job.worker = "running", alloc, w
+    job.attempts += 1
+    w.jobs[job.wire] = job
+
+
+class Reunion:
+    """Jobs and worker processes finding each other again after their head was replaced: a
+    head daemon died and another started, or a mission that was its own head was run
+    again. A worker that comes back reports, by wire id, the jobs it still runs and the
+    results of those that ended while it was alone; the owner offers it the jobs it has.
+    A job that was running when the old head went is held for REJOIN_WAIT_S after this
+    head started, in case its worker comes back; a job a worker comes back with that no
+    one claims within ORPHAN_WAIT_S is cancelled there. (Only string wire ids outlive a
+    head: a store's keys, a mission's token and id.) ``deliver(job, ok, data, duration,
+    kind)`` hands a job a result a worker reported."""
+
+    def __init__(self, deliver, clock=_now):
+        self.deliver, self.clock = deliver, clock
+        self.held = {}           # wire -> job waiting for its worker to come back
+        self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
+        self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
+        self.hold_until = clock() + REJOIN_WAIT_S
+
+    def offer(self, job, hold=False):
+        """True when ``job`` is taken care of here: its result came back, its worker still
+        runs it, or it is held (``hold``: it was running when the last head went)."""
+        wire = job.wire
+        if wire in self.finished:
+            self.deliver(job, *self.finished.pop(wire)[0])
+        elif wire in self.running:
+            w, _ = self.running.pop(wire)
+            _adopt(job, w, w.orphans.pop(wire))
+        elif hold and self.clock() < self.hold_until:
+            self.held[wire] = job
+        else:
+            return False
+        return True
+
+    def worker_runs(self, w, wire, alloc):
+        """A worker came back still running the job ``wire`` with ``alloc``."""
+        if not isinstance(alloc, Resource):
+            raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
+        w.res.claim(alloc)
+        w.running += 1
+        if type(wire) is not str:  # its old head's number: no job here can claim it
+            w.orphans[wire] = alloc
+            w.channel.send(("cancel", wire))
+        elif wire in self.held:
+            _adopt(self.held.pop(wire), w, alloc)
+        else:
+            w.orphans[wire] = alloc
+            self.running[wire] = (w, self.clock())
+
+    def worker_finished(self, wire, result):
+        """A worker reports the result of a job that ended while it had no head."""
+        self.running.pop(wire, None)
+        job = self.held.pop(wire, None)
+        if job is not None:
+            self.deliver(job, *result)
+        elif type(wire) is str:
+            self.finished[wire] = (result, self.clock())
+
+    def worker_left(self, w):
+        for wire in getattr(w, "orphans", ()):
+            self.running.pop(wire, None)
+
+    async def run(self, push):
+        """At hold_until, queue the held jobs (``push``): their workers did not come back.
+        Then cancel the jobs that workers came back with and no one claimed in time, and
+        forget such results."""
+        await trio.sleep(max(0.0, self.hold_until - self.clock()))
+        held, self.held = list(self.held.values()), {}
+        if held:
+            log.warning("%d job(s) that were running when the last head went run again: "
+                        "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
+        for job in held:
+            push(job)
+        while True:
+            await trio.sleep(ORPHAN_WAIT_S / 10)
+            old = self.clock() - ORPHAN_WAIT_S
+            for wire, (w, since) in list(self.running.items()):
+                if since < old:
+                    del self.running[wire]
+                    w.channel.send(("cancel", wire))
+            for wire, (_, since) in list(self.finished.items()):
+                if since < old:
+                    del self.finished[wire]
 
 
 class HeadService:
@@ -4019,9 +4305,12 @@ class HeadService:
         self.joined_job_ids.add(info.get("job_id"))
         if self.job_book is not None and info.get("job_id"):
             await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
+        for wire, alloc in (info.get("resume") or {}).items():  # it ran them while alone
+            self.owner.reunion.worker_runs(w, wire, alloc)
         self.owner.add_worker(w)
-        log.info("worker %s joined from %s (pid %s) with %r", w.name, channel.peer, w.pid,
-                 w.offered)
+        log.info("worker %s %s from %s (pid %s) with %r", w.name,
+                 "came back" if info.get("resume") is not None else "joined", channel.peer,
+                 w.pid, w.offered)
         why, kind = "was lost (its connection closed)", RETRY_LOST
         try:
             await receive_all(channel, w.message_handlers())
@@ -4029,6 +4318,7 @@ class HeadService:
             why = f"was dropped ({e})"
         finally:
             self.owner.remove_worker(w)
+            self.owner.reunion.worker_left(w)
             if channel.silent:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
@@ -4223,14 +4513,19 @@ class HeadLink(RemoteWorker):
     """The head daemon, as one worker of a mission that takes every job: it forwards the
     job's request and pickled bytes. Results come back as they would from a worker."""
 
-    def __init__(self, owner, channel, info):
+    def __init__(self, owner, channel, info, resumed):
         super().__init__(owner, Unlimited(), "head", channel, info.get("pid"), info.get("host"))
         self.log_file = info.get("log") or "(unknown)"
+        self.resumed = resumed  # ids of jobs an earlier daemon had: this one is told so
 
     def start(self, job):
         digest = self._send_function(job.fn, _callable_name(job.fn))
         self.jobs[job.id] = job
-        self.channel.send(("job", job.id, job.req, digest, job.payload))
+        if job.id in self.resumed:
+            self.resumed.discard(job.id)
+            self.channel.send(("job", job.id, job.req, digest, job.payload, True))
+        else:
+            self.channel.send(("job", job.id, job.req, digest, job.payload))
 
     def message_handlers(self):
         return {"done": self.on_done, "ping": _ignore,
@@ -4243,12 +4538,17 @@ def _refused(why):
 
 class MissionLink:
     """A mission's connection to the head daemon, opened when its first job with resources
-    is queued (``open``). If the daemon goes away, the jobs it had come back to the mission
-    as "worker lost" retries, and the link opens again (to a new daemon) for them."""
+    is queued (``open``). If the daemon goes away, the jobs it had go back to the mission's
+    queue, and the link opens again (to a new daemon) for them: they go over as "resumed",
+    for the workers that ran them may come back to that daemon still running them, or
+    with their results (see Reunion). The mission's random ``token`` in its greeting makes
+    its jobs' ids on the workers its own."""
 
     def __init__(self, owner, attach, info, max_frame=MAX_FRAME):
-        self.owner, self.attach, self.info, self.max_frame = owner, attach, info, max_frame
+        self.owner, self.attach, self.max_frame = owner, attach, max_frame
+        self.info = dict(info, token=os.urandom(8).hex())
         self.open_ = False  # attaching or attached
+        self.resumed = set()  # ids of the jobs the last daemon had
 
     def open(self, nursery):
         if not self.open_:
@@ -4265,7 +4565,7 @@ class MissionLink:
                 reply = await channel.receive() or ("refused", "it closed the connection")
                 info = dispatch({"attached": dict, "refused": _refused}, reply, channel.peer)
                 channel.silent_after = None  # a busy daemon may be slow: its missions wait
-                link = HeadLink(self.owner, channel, info)
+                link = HeadLink(self.owner, channel, info, self.resumed)
                 log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
                          link.host, link.log_file)
                 self.owner.add_worker(link)
@@ -4280,12 +4580,13 @@ class MissionLink:
             self.open_ = False
             if link is not None:
                 self.owner.remove_worker(link)
-            if link is not None and not self.owner.closing:
-                why = f"{why}; its log: {link.log_file}"
-                if link.jobs:
-                    log.warning("the head daemon %s with %d job(s) of this mission; "
-                                "submitting them again", why, len(link.jobs))
-                link.interrupt_all(RETRY_LOST, why)
+            if link is not None and not self.owner.closing and link.jobs:
+                log.warning("the head daemon %s with %d job(s) of this mission; handing "
+                            "them to the next one; its log: %s", why, len(link.jobs),
+                            link.log_file)
+                jobs, link.jobs = list(link.jobs.values()), {}
+                self.resumed.update(job.id for job in jobs)
+                self.owner.hand_back(jobs)
 
 
 ###############################################################################
@@ -4512,14 +4813,12 @@ class GrainExecutor:
         # jobs may leave this process: their function and arguments are pickled at once
         self._remote = bool(listen or waddrs or self._link)
         self.service = None       # the HeadService, while it runs
-        self.store = ResultStore(results) if results else None
-        self.rerun_failed = rerun_failed
-        self._digests, self._key_counts, self._unkeyable = {}, {}, set()
+        self.stored = MissionResults(results, rerun_failed) if results else None  # the store
         self._jobs = []           # every job, in submission order
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
-        self._fn_cache = {}
+        self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = None
         self.closing = False
         self.elapsed = None
@@ -4580,98 +4879,35 @@ class GrainExecutor:
         self._nursery.start_soon(resolve_then_enqueue)
         return job
 
-    def function_bytes(self, fn):
-        """``(digest, bytes)`` of a job function, serialized once per executor."""
-        try:
-            hit = self._fn_cache.get(fn)
-        except TypeError:  # unhashable callable
-            hit = None
-        if hit is None:
-            data = dumps_job_value(fn, f"the job function {_callable_name(fn)}")
-            hit = (hashlib.sha1(data).digest(), data)
-            with contextlib.suppress(TypeError):
-                self._fn_cache[fn] = hit
-        return hit
-
     def _prepare_payload(self, job):
         """Serialize a job for remote workers now, so what cannot be pickled fails at
         submit time and names the culprit."""
         self.function_bytes(job.fn)
-        if not job.args and not job.kwargs:
-            job.payload = NO_ARGS_PAYLOAD
-            return
-        try:
-            job.payload = dumps_job_value((job.args, dict(job.kwargs)), "")
-        except TypeError as e:
-            raise TypeError(f"job {_callable_name(job.fn)}: "
-                            f"{_culprit(job.args, job.kwargs)} cannot be pickled{str(e)[19:]}"
-                            ) from None
+        job.payload = pickle_arguments(job)
 
     def _enqueue(self, job):
         req = job.req
         if req is ZERO or (req.kind is None and not req._parts()):
             self.scheduler.launch(job, self._zero_worker)  # in this process, at once
             return
-        if self.store is not None and self._stored(job):
-            return
-        self.scheduler.push(job)
+        if self.stored is not None:
+            state = self.stored.known(job)
+            if state == "stored":  # done before: not again
+                self._nursery.start_soon(self._complete_stored, job)
+                return
+            if self.reunion.offer(job, hold=state == "running"):  # its worker may be back
+                return
+        self._queue(job)
+
+    def _queue(self, job, front=False):
+        """Into the queue (``front``: ahead, as a retry: it came before the others)."""
+        (self.scheduler.push_front if front else self.scheduler.push)(job)
         if self._link is not None:
             self._link.open(self._nursery)
 
-    # -- the results store -----------------------------------------------------------
-    def _stored(self, job):
-        """Key ``job`` for the results store; True when its result is stored already: the
-        job is then completed from there (soon), and does not run."""
-        try:
-            digest = self._digests.get(job.fn)
-            if digest is None:
-                digest = self._digests[job.fn] = code_digest(job.fn)
-            key = job_key(digest, job.args, job.kwargs, job.req)
-        except TypeError as e:
-            name = _callable_name(job.fn)
-            if name not in self._unkeyable:
-                self._unkeyable.add(name)
-                log.warning("jobs of %s cannot be keyed for the results store (%s): they "
-                            "run every time", name, e)
-            return False
-        n = self._key_counts[key] = self._key_counts.get(key, -1) + 1
-        job.wire = f"{key}#{n}"
-        state = self.store.states.get(key)
-        if state == "done" or (state == "failed" and not self.rerun_failed):
-            self._nursery.start_soon(self._complete_stored, job, key)
-            return True
-        return False
-
-    async def _complete_stored(self, job, key):
-        state, data, error, kind = await trio.to_thread.run_sync(self.store.fetch, key)
-        value = loads_job_value(data) if data is not None else None
-        if state == "done":
-            self._complete(job, value, None)
-            return
-        exc = value[0] if isinstance(value, tuple) else GrainError(error)
-        add_note(exc, f"grain: the result of an earlier run, from {self.store.path}")
-        self._complete(job, None, exc, kind)
-
-    def _store_result(self, job, value, error, kind):
-        try:
-            data = dumps_job_value(value if error is None else (error, ""), "the result")
-        except TypeError as e:
-            log.warning("the result of %s is not stored: %s", job.name, e)
-            return
-        self.store.record(job.wire.partition("#")[0], _callable_name(job.fn),
-                          "done" if error is None else "failed", data,
-                          None if error is None else f"{type(error).__name__}: {error}",
-                          kind, job.duration)
-
-    async def _keep_store(self):
-        """Write recorded results every STORE_FLUSH_S; say the store is held."""
-        beat = trio.current_time()
-        while True:
-            await trio.sleep(STORE_FLUSH_S)
-            await trio.to_thread.run_sync(self.store.flush)
-            if trio.current_time() - beat > STORE_BEAT_S:
-                beat = trio.current_time()
-                self.store.beat()
+    async def _complete_stored(self, job):
+        value, error, kind = await self.stored.fetch(job)
+        self._complete(job, value, error, kind)
 
     # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
@@ -4694,6 +4930,23 @@ class GrainExecutor:
     def job_ended(self, job, value, error, duration):
         """A worker's job ended: its value, or the exception it raised."""
         self.scheduler.release(job, ok=error is None)
+        self._ended(job, value, error, duration)
+
+    def job_reported(self, job, ok, data, duration, kind, where):
+        """A remote worker's job ended: its value or exception, pickled."""
+        self.scheduler.release(job, ok=ok)
+        self._deliver(job, ok, data, duration, kind, where)
+
+    def job_sent(self, job):
+        """A job that may outlive this head went to a worker process."""
+        if self.stored is not None:
+            self.stored.running(job)
+
+    def _deliver(self, job, ok, data, duration, kind, where="its worker"):
+        job.attempts = job.attempts or 1  # (it ran, though maybe for another head)
+        self._ended(job, *unpickle_result(job, ok, data, where), duration)
+
+    def _ended(self, job, value, error, duration):
         job.duration = duration
         if error is None:
             self._complete(job, value, None)
@@ -4703,19 +4956,6 @@ class GrainExecutor:
                 self._complete(job, None, error, kind)
         if self.scheduler.n_queued:
             self.scheduler.pump()
-
-    def job_reported(self, job, ok, data, duration, kind, where):
-        """A remote worker's job ended: its value or exception, pickled."""
-        try:
-            value = loads_job_value(data)
-        except Exception as e:
-            ok, value = False, (GrainError(f"the result of job {job.name} could not be "
-                                           f"unpickled here: {e}"), "")
-        if not ok:
-            value, tb = value
-            if tb:
-                add_note(value, f"Traceback on worker {where}:\n{tb.rstrip()}")
-        self.job_ended(job, value if ok else None, None if ok else value, duration)
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
@@ -4736,9 +4976,7 @@ class GrainExecutor:
             return False
         job.state = "queued"
         if job.req is not ZERO and job.req._parts():
-            self.scheduler.push_front(job)  # it was submitted before everything behind it
-            if self._link is not None:
-                self._link.open(self._nursery)
+            self._queue(job, front=True)
         else:  # no resources: it runs here again at once, as the first time
             self._enqueue(job)
         return True
@@ -4750,14 +4988,22 @@ class GrainExecutor:
             self.retries.note(job, error, kind)
             job.error, job.state = error, "failed"
             kind = kind or failure_class(error)
-        if self.store is not None and job.attempts and type(job.wire) is str:
-            self._store_result(job, value, error, kind)
+        if self.stored is not None and job.attempts and type(job.wire) is str:
+            self.stored.record(job, value, error, kind)
         self.tally.ended(job.state, kind)
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
         if self._outstanding == 0 and self._all_done is not None:
             self._all_done.set()
+
+    def hand_back(self, jobs):
+        """The head daemon went with these jobs: queue them ahead of the rest, for the next
+        (not a retry: they may still be running; see MissionLink)."""
+        for job in reversed(jobs):
+            self.scheduler.release(job)
+            job.state = "queued"
+            self._queue(job, front=True)
 
     def fail_queued(self, why):
         """Fail every queued job with GrainError(why) (the head daemon cannot be reached)."""
@@ -4808,9 +5054,9 @@ class GrainExecutor:
         return self
 
     async def _open(self):
-        if self.store is not None:  # first: a store another mission holds stops us here
-            await trio.to_thread.run_sync(self.store.open)
-            self._stack.callback(self.store.close)
+        if self.stored is not None:  # first: a store another mission holds stops us here
+            await trio.to_thread.run_sync(self.stored.store.open)
+            self._stack.callback(self.stored.store.close)
         # The context modules first: they outlive the nursery where jobs run.
         m = self.mission
         output = self._stack.enter_context(_routed_job_output(m.job_log))
@@ -4818,6 +5064,8 @@ class GrainExecutor:
         backendless = [await self._enter_backendless(module, res)
                        for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
+        self.reunion = Reunion(self._deliver)
+        self._nursery.start_soon(self.reunion.run, self._queue)
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
         if rt is not None:
@@ -4833,8 +5081,8 @@ class GrainExecutor:
         for name, value, res in backendless:
             self.add_worker(LocalWorker(self, res, name, self._nursery, value))
         self._nursery.start_soon(self._watch_stuck)
-        if self.store is not None:
-            self._nursery.start_soon(self._keep_store)
+        if self.stored is not None:
+            self._nursery.start_soon(self.stored.keep)
         if self._remote and self.key is None:
             self.key = load_auth_key()
         if self.listen or self.waddrs:
@@ -5606,42 +5854,138 @@ class WorkerProcess:
     """A worker's side of its connection to a head: it runs the jobs it is sent, each with
     GVAR set, and sends their results back. It leaves when the head says FIN (after its
     jobs), drain or leave, when its walltime is up, or on SIGTERM/SIGINT, telling the head
-    (which re-queues what still runs here); and when the head is gone."""
+    (which re-queues what still runs here).
 
-    def __init__(self, channel, res, name, context):
-        self.channel = channel
-        self.res = res
+    When the head is lost without a goodbye, it keeps its jobs running and their results
+    for ``reattach`` seconds, looking for a head at its address (``reconnect()``): a head
+    that comes is told what still runs here, then sent the results kept meanwhile (and
+    those sent shortly before the loss, which the old head may never have read), and the
+    jobs go on as that head's (see Reunion). Jobs known by a number (the old head's own)
+    can be claimed by no new head: they are stopped at once. Without a head by the end,
+    it leaves."""
+
+    def __init__(self, name, hello, context=None, reattach=0.0, max_frame=MAX_FRAME,
+                 oversubscribe=False):
         self.name = name
-        self.context = context
+        self.hello = hello       # what registering tells a head, but the resources
+        self.context = context   # GVAR.context of its jobs
+        self.reattach = reattach
+        self.max_frame = max_frame
+        self.oversubscribe = oversubscribe
+        self.res = None          # what it offers (known once it registered)
+        self.channel = None      # to the head, while there is one
+        self.outbox = []         # messages for the head, kept while there is none
+        self.recent = deque()    # (time, message) of results sent lately
         self.functions = {}      # digest -> function (or the exception loading it raised)
-        self.running = {}        # job id -> CancelScope
+        self.running = {}        # job id -> (CancelScope, allocation)
         self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
-        self.accepting = True
         self.leave_after_jobs = None  # the reason to give when the last job ends
         self._nursery = None
+        self._attending = None   # the cancel scope of serving (or looking for) a head
         self.done = trio.Event()
 
-    async def serve(self):
+    def send(self, msg):
+        if self.channel is not None:
+            self.channel.send(msg)
+        else:
+            self.outbox.append(msg)
+
+    async def serve(self, stream, res, reconnect):
+        """Serve the head at ``stream``, offering ``res`` (None: what the head assigns);
+        then any head ``reconnect()`` reaches."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._watch_walltime)
             nursery.start_soon(self._watch_signals)
-            nursery.start_soon(self._receive)
-            await self.done.wait()
+            lost = await self._session(stream, res)
+            while lost and not self.done.is_set():
+                stream = await self._look_for_head(reconnect)
+                if stream is not None:
+                    lost = await self._session(stream)
+                elif not self.done.is_set():
+                    why = f"no head came within {self.reattach:g} s (worker.reattach)"
+                    log.warning("%s; leaving, stopping %d job(s)", why, len(self.running))
+                    self.leave(why)
             nursery.cancel_scope.cancel()
 
-    async def _receive(self):
+    async def _session(self, stream, res=None):
+        """Register with the head at ``stream`` and serve it; True when it was lost without
+        a goodbye and this worker waits for another."""
+        lost = False
+        async with open_channel(stream, _peer_name(stream), max_frame=self.max_frame) \
+                as channel:
+            hello = dict(self.hello)
+            if self.res is None:  # the first head
+                self.res = res if res is not None else await self._assigned(channel)
+                self._nursery.start_soon(self._watch_walltime)
+            else:
+                hello["resume"] = {jid: alloc for jid, (_, alloc) in self.running.items()}
+            channel.send(("register", dict(hello, res=self.res)))
+            log.info("worker %s %s with %r", self.name,
+                     "registered again" if "resume" in hello else "registered", self.res)
+            for msg in self.outbox:
+                channel.send(msg)
+            self.outbox, self.channel = [], channel
+            with trio.CancelScope() as self._attending:
+                lost = await self._receive(channel)
+        self.channel = None
+        if channel.silent:
+            lost = self._lost(f"silent for {SILENT_S:g} s")
+        return lost
+
+    async def _assigned(self, channel):
+        """What a head that dialled this passive worker assigns it to offer."""
+        try:
+            assigned = dispatch({"assign": lambda res: res}, await channel.receive(),
+                                "the head")
+        except PeerError as e:
+            raise GrainError(f"{e} instead of an assignment") from None
+        return _fit_allocation(worker_provider(assigned, self.oversubscribe))
+
+    async def _receive(self, channel):
         handlers = {"fn": self.on_function, "run": self.on_run, "ping": _ignore,
                     "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
                     "cancel": self.on_cancel}
         try:
-            await receive_all(self.channel, handlers)
-            if self.leave_after_jobs is None:  # a FIN, then EOF, is a normal goodbye
-                log.warning("lost the head (connection closed); leaving")
+            await receive_all(channel, handlers)
         except PeerError as e:
             log.warning("%s; leaving", e)
             self.leave("it could not understand the head")
-        self.done.set()
+            return False
+        if self.leave_after_jobs is not None or self.done.is_set():
+            return False  # a FIN, then EOF, is a normal goodbye
+        return self._lost("connection closed")
+
+    def _lost(self, how):
+        """The head went without a goodbye: wait for another (True), or leave."""
+        if self.reattach <= 0:
+            log.warning("lost the head (%s); leaving", how)
+            self.done.set()
+            return False
+        kept = 0
+        for jid, (scope, _) in self.running.items():
+            if type(jid) is str:
+                kept += 1
+            else:  # the old head's number: no new head can claim it
+                scope.cancel()
+        since = trio.current_time() - RESEND_S
+        self.outbox[:0] = [msg for t, msg in self.recent if t > since]
+        self.recent.clear()
+        log.warning("lost the head (%s); keeping %d running job(s) and looking for a head "
+                    "for %g s (worker.reattach)", how, kept, self.reattach)
+        return True
+
+    async def _look_for_head(self, reconnect):
+        """A stream to a new head at our address; None when none came within reattach."""
+        with trio.move_on_after(self.reattach), trio.CancelScope() as self._attending:
+            while any(type(jid) is not str for jid in self.running):
+                await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
+            while True:
+                try:
+                    return await reconnect()
+                except (Unreachable, OSError, PeerError) as e:
+                    log.debug("no head yet: %s", e)
+                await trio.sleep(REATTACH_POLL_S)
+        return None
 
     def on_function(self, digest, data):
         try:
@@ -5659,7 +6003,7 @@ class WorkerProcess:
         _CONTEXT.set(self.context)
         started = trio.current_time()
         with trio.CancelScope() as scope:
-            self.running[jid] = scope
+            self.running[jid] = (scope, alloc)
             try:
                 if isinstance(fn, BaseException) or fn is None:
                     raise GrainError(f"the job function could not be loaded on worker "
@@ -5681,28 +6025,46 @@ class WorkerProcess:
                 except TypeError:
                     data = dumps_job_value((GrainError(f"{type(e).__name__}: {e}"), tb), "")
                 reply = (False, data, failure_class(e))
-            self.channel.send(("done", jid, *reply[:2], trio.current_time() - started,
-                               *reply[2:]))
+            msg = ("done", jid, *reply[:2], trio.current_time() - started, *reply[2:])
+            self.send(msg)
+            if self.reattach > 0 and type(jid) is str:  # a new head may want it again
+                self._remember(msg)
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
             self.cancelled.discard(jid)
             if scope.cancelled_caught:
-                self.channel.send(("cancelled", jid))
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.channel.flush()
+                self.send(("cancelled", jid))
+        if self.channel is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.channel.flush()
         if self.leave_after_jobs and not self.running:
             self.leave(self.leave_after_jobs)
 
+    def _remember(self, msg):
+        now = trio.current_time()
+        self.recent.append((now, msg))
+        while self.recent[0][0] < now - RESEND_S:
+            self.recent.popleft()
+
+    def _finish(self):
+        self.done.set()
+        # Not at once: a handler calls this from the receive loop, which flushes next; a
+        # send cut short by a cancellation would lose what it was sending ("leaving").
+        self._nursery.start_soon(self._stop_attending)
+
+    async def _stop_attending(self):
+        if self._attending is not None:
+            self._attending.cancel()
+
     def leave(self, why):
         """Tell the head we go (so it re-queues what still runs here), then go."""
-        self.accepting = False
-        self.channel.send(("leaving", why))
-        for scope in self.running.values():
+        self.send(("leaving", why))
+        for scope, _ in self.running.values():
             scope.cancel()
-        self.done.set()
+        self._finish()
 
     def on_cancel(self, jid):
-        scope = self.running.get(jid)
+        scope, _ = self.running.get(jid, (None, None))
         if scope is not None:  # else its result is on its way already
             self.cancelled.add(jid)
             scope.cancel()
@@ -5711,7 +6073,7 @@ class WorkerProcess:
         log.info("the mission ended; leaving after %d running job(s)", len(self.running))
         self.leave_after_jobs = "the mission ended"
         if not self.running:
-            self.done.set()
+            self._finish()
 
     def on_drain(self):
         self.leave_after_jobs = "asked to quit"
@@ -5738,10 +6100,12 @@ class WorkerProcess:
 
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
-                      key_path=None, max_frame=MAX_FRAME, oversubscribe=False, sworker=None):
+                      key_path=None, max_frame=MAX_FRAME, oversubscribe=False, sworker=None,
+                      reattach=REATTACH_S):
     """Run a worker until it leaves. Returns the exit code. With ``sworker`` (a specialized
     worker type), keep the module's grain_run_sworker() running while registered: the
-    head runs the jobs, with what it yielded."""
+    head runs the jobs, with what it yielded. ``reattach``: seconds it keeps its jobs for
+    a new head when its head is lost."""
     key = load_auth_key(key_path)
     context = load_context(context_file, "--context") if context_file else None
     # Its batch job, as the submit command named it, so the head knows which submission
@@ -5750,13 +6114,14 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     name = name or (f"{hostname()}-{job_id}" if job_id else hostname())
     if sworker is None:
         return await _worker_session(url, res, name, context, listen, key, max_frame,
-                                     oversubscribe, job_id, None)
+                                     oversubscribe, job_id, None, reattach)
     module = load_module(sworker, "--sworker")
     async with module.grain_run_sworker() as info:
         info = dict(info)
         name = info.pop("name", None) or name
         return await _worker_session(url, res, name, context, listen, key, max_frame,
-                                     oversubscribe, job_id, {"type": sworker, "info": info})
+                                     oversubscribe, job_id, {"type": sworker, "info": info},
+                                     reattach)
 
 
 async def _reach_head(url, listen, key, provider):
@@ -5778,27 +6143,21 @@ async def _reach_head(url, listen, key, provider):
 
 
 async def _worker_session(url, res, name, context, listen, key, max_frame, oversubscribe,
-                          job_id, sworker):
+                          job_id, sworker, reattach=0.0):
     provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
-    stream = await _reach_head(url, listen, key, provider)
-    if stream is None:
-        return 0
-    async with open_channel(stream, _peer_name(stream), max_frame=max_frame) as channel:
-        if listen:  # a passive worker offers what the head that dialled it assigns
-            try:
-                assigned = dispatch({"assign": lambda res: res}, await channel.receive(),
-                                    "the head")
-            except PeerError as e:
-                raise GrainError(f"{e} instead of an assignment") from None
-            provider = _fit_allocation(worker_provider(assigned, oversubscribe))
-        channel.send(("register", {"name": name, "res": provider, "pid": os.getpid(),
-                                   "host": hostname(), "job_id": job_id, "sworker": sworker}))
-        log.info("worker %s registered with %r", name, provider)
-        async with contextlib.AsyncExitStack() as stack:
-            value = await stack.enter_async_context(context()) if context else None
-            await WorkerProcess(channel, provider, name, value).serve()
-    if channel.silent:
-        log.warning("lost the head (silent for %g s); leaving", SILENT_S)
+    hello = {"name": name, "pid": os.getpid(), "host": hostname(), "job_id": job_id,
+             "sworker": sworker}
+    # A passive worker waits to be dialled: no new head would; a specialized worker's
+    # jobs ran in its head, and went with it.
+    reattach = 0.0 if listen or sworker else reattach
+    # The context wraps the worker's whole life, every head it serves included.
+    async with contextlib.AsyncExitStack() as stack:
+        value = await stack.enter_async_context(context()) if context else None
+        stream = await _reach_head(url, listen, key, provider)
+        if stream is None:
+            return 0
+        worker = WorkerProcess(name, hello, value, reattach, max_frame, oversubscribe)
+        await worker.serve(stream, provider, functools.partial(connect, url, key, wait=True))
     return 0
 
 
@@ -5827,12 +6186,16 @@ class _OpaqueFunction:
 class MissionQueue(JobQueue):
     """A mission attached to the daemon: its queue, its connection and its counters."""
 
-    __slots__ = ("channel", "pid", "host", "functions", "done", "failed", "since", "gone")
+    __slots__ = ("channel", "pid", "host", "token", "functions", "done", "failed", "since",
+                 "gone")
 
     def __init__(self, channel, info):
         super().__init__(f"{info.get('name') or 'mission'}[{info.get('pid')}]",
                          bool(info.get("prioritized")))
         self.channel = channel
+        # Its jobs are known to workers as "token/ref": the same again when it comes back
+        # to a new daemon with them, not the same as another mission's.
+        self.token = str(info.get("token") or os.urandom(8).hex())
         self.pid = info.get("pid")
         self.host = info.get("host")
         self.functions = {}   # digest -> _OpaqueFunction
@@ -5945,11 +6308,13 @@ class HeadDaemon:
         self.closing = False
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
+        self.reunion = Reunion(self._deliver)
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(self.service.run)
+            nursery.start_soon(self.reunion.run, self._push_held)
             if self.mission_socket:
                 await nursery.start(serve, f"unix://{self.mission_socket}", self.service.key,
                                     self.service.handle_connection)
@@ -5981,6 +6346,13 @@ class HeadDaemon:
 
     def _joined(self):
         return sum(1 for w in self.scheduler.workers if w.channel is not None)
+
+    def job_sent(self, job):
+        pass  # the mission knows (it is the one to hand its jobs over to the next daemon)
+
+    def _push_held(self, job):
+        if not job.queue.gone:  # its worker did not come back: it runs again
+            self.scheduler.push(job)
 
     def job_reported(self, job, ok, data, duration, kind, where):
         self.scheduler.release(job, ok)
@@ -6051,14 +6423,18 @@ class HeadDaemon:
     def _accept_function(self, m, digest, data, name="?"):
         m.functions[digest] = _OpaqueFunction(digest, data, name)
 
-    def _accept_job(self, m, ref, req, digest, payload):
+    def _accept_job(self, m, ref, req, digest, payload, resumed=False):
+        """A job of mission ``m``; ``resumed``: it had given it to a daemon before this one,
+        which may have started it (its worker may come back with it, or its result)."""
         fn = m.functions.get(digest)
         if fn is None or not isinstance(req, Resource) or not req._parts():
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
         job.ref = ref
+        job.wire = f"{m.token}/{ref}"
         job.payload = payload
-        self.scheduler.push(job)
+        if not (resumed and self.reunion.offer(job, hold=True)):
+            self.scheduler.push(job)
 
     def _detach(self, m):
         """The mission ended or died: drop its queue, cancel what still runs for it."""
@@ -6495,7 +6871,7 @@ _SHARED_OPTIONS = {
 _AT_HEAD = ("address", "config", "key")
 # The commands: name, help, shared options, options of its own.
 _COMMAND_LINE = [
-    ("worker", "run a worker: connect to a head and run its jobs", ("key",), [
+    ("worker", "run a worker: connect to a head and run its jobs", ("key", "config"), [
         (("--url",), dict(help="the head's address: tcp://host:port, unix:///path or "
                           "edge:///path (default: the Edge file in ~/.local/share)")),
         (("--listen",), dict(metavar="URL", help="be a passive worker: wait at "
@@ -6513,7 +6889,10 @@ _COMMAND_LINE = [
         (("--name",), dict(help="the worker's name (default: the hostname)")),
         (("--sworker",), dict(metavar="MODULE", help="be a specialized worker of this type "
                               "(worker.specialized_type): its jobs run in the mission, this "
-                              "process keeps the module's grain_run_sworker() running"))]),
+                              "process keeps the module's grain_run_sworker() running")),
+        (("--reattach",), dict(metavar="DURATION", help="when the head is lost, keep running "
+                               "its jobs this long for a new head, e.g. 10m, 0 to leave at "
+                               "once (default: worker.reattach, 10m)"))]),
     ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, []),
     ("quit", "make workers leave (after their jobs, or now with -f)", _AT_HEAD, [
         (("pattern",), dict(help="a glob over worker names, e.g. 'node1*'")),
@@ -6583,10 +6962,19 @@ def _cmd_worker(args):
         raise UsageError(f"--max-frame must be at least 1024 bytes, got {args.max_frame}")
     if args.context and not os.path.isfile(args.context):
         raise UsageError(f"--context {args.context}: no such file")
+    # (quietly: a worker without a config file is the common case)
+    config = find_config_path(args.config)
+    reattach = load_config(config).role("worker").reattach if config else REATTACH_S
+    if args.reattach is not None:
+        try:
+            reattach = parse_duration(args.reattach, "--reattach")
+        except ValueError as e:
+            raise UsageError(f"{e}") from None
     return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,
-                                      max_frame=args.max_frame, sworker=args.sworker or None))
+                                      max_frame=args.max_frame, sworker=args.sworker or None,
+                                      reattach=reattach))
 
 
 def _cli_target(args):
@@ -6752,7 +7140,7 @@ def _cmd_down(args):
 def _cmd_results(args):
     if not os.path.isfile(args.store):
         raise UsageError(f"results store {args.store}: no such file")
-    store = ResultStore(args.store).open()
+    store = ResultStore(args.store).open(hold=bool(args.forget))
     try:
         if args.forget:
             n = store.forget(args.forget, args.state)

@@ -12,6 +12,7 @@ import re
 import shlex
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -1686,28 +1687,52 @@ async def test_worker_context_module(workers, tmp_path):
     assert await wait_exit(w) == 0
 
 
-def test_a_worker_that_loses_its_head_leaves(workers, tmp_path):
-    edge = tmp_path / "edge"
+def test_a_worker_that_loses_its_head_leaves_when_its_grace_ends(workers, tmp_path):
+    """worker.reattach: it keeps its job for a new head that long, then stops it and goes
+    (its batch allocation with it: nothing is left holding resources)."""
+    edge, marker, pidfile = tmp_path / "edge", tmp_path / "stopped", tmp_path / "pid"
     head = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, trio; sys.path.insert(0, {HERE!r})
-        from grain.delayed import run
-        from grain.resource import ZERO
+        import sys, time, trio; sys.path.insert(0, {HERE!r})
+        from grain.delayed import delayed, run
+        from grain.resource import Cores, ZERO
+
+        @delayed
+        async def long():
+            open({str(pidfile)!r}, "w").write("running")
+            try:
+                await trio.sleep(600)
+            finally:
+                open({str(marker)!r}, "w").write(str(time.time()))
+
         async def main():
-            await trio.sleep(60)
-        run(main, local=ZERO, address="edge://{edge}")   # this process is the head
+            await (long @ Cores(1))()
+        # this process is the head; with a store, its jobs have keys a new head could claim
+        run(main, local=ZERO, address="edge://{edge}", results={str(tmp_path / "r.db")!r})
     """)], cwd=HERE)
     try:
-        w = workers.start("--url", f"edge://{edge}", name="orphan")
-        deadline = time.monotonic() + 20
-        while "registered" not in w.log_path.read_text():
-            assert time.monotonic() < deadline, w.log_path.read_text()
-            time.sleep(0.05)
+        (tmp_path / "grain.toml").write_text('[worker]\nreattach = "2s"\n')
+        w = workers.start("--url", f"edge://{edge}", "-c", str(tmp_path / "grain.toml"),
+                          name="orphan")
+        wait_for(pidfile.exists, 20, "the job to start")
         head.kill()
+        lost = time.time()
         assert w.wait(15) == 0
-        assert "lost the head" in w.log_path.read_text()
+        log = w.log_path.read_text()
+        assert "keeping 1 running job(s) and looking for a head for 2 s" in log, log
+        assert "no head came within 2 s (worker.reattach); leaving, stopping 1 job(s)" in log
+        assert float(marker.read_text()) - lost > 1.5   # it ran on through the grace
     finally:
         head.kill()
         head.wait()
+
+
+def test_worker_reattach_option():
+    cp = run_py(GRAIN, "worker", "--reattach", "soon", "--url", "tcp://127.0.0.1:1")
+    assert cp.returncode == 2
+    assert cp.stderr.strip().endswith("--reattach: expected a duration such as 90s, 30m, 2h "
+                                      "or hh:mm:ss, got 'soon'")
+    s = grain.RoleSettings("worker", dial="edge:///x", reattach=300.0)
+    assert "--reattach 300s" in grain.worker_command(s)
 
 
 # -- the head daemon (issue 6) -------------------------------------------------------
@@ -1855,8 +1880,11 @@ def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, t
     assert "dropped 2 queued and cancelled 1 running job(s)" in log
 
 
-def test_a_mission_whose_head_daemon_dies_submits_its_jobs_again(daemon, tmp_path):
-    first = daemon.worker(cores=1, name="w1")
+def test_a_mission_whose_head_daemon_dies_gives_its_jobs_to_the_next(daemon, tmp_path):
+    """A worker that does not wait for a new head (--reattach 0) takes its job with it: the
+    new daemon holds the job a while for it, then runs it again elsewhere."""
+    first = daemon.workers.start("--url", daemon.edge, "--res", '{"Cores": {"N": 1}}',
+                                 "--reattach", "0", name="w1")
     mission = daemon.mission(2, 3)
     daemon.wait_ls("1 running")
     (pid,) = _daemon_pids(tmp_path)
@@ -1864,8 +1892,103 @@ def test_a_mission_whose_head_daemon_dies_submits_its_jobs_again(daemon, tmp_pat
     assert first.wait(15) == 0
     second = daemon.worker(cores=1, name="w2")   # waits on the Edge file for a new head
     assert daemon.result(mission)["pids"] == [second.pid]
-    assert "submitting them again" in mission.err
+    assert "handing them to the next one" in mission.err
     assert len(_daemon_pids(tmp_path)) == 2      # the mission started a second daemon
+
+
+LONG_JOBS = textwrap.dedent("""
+    import json, os, sys, time, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores, ZERO
+
+    @delayed
+    async def long(i, seconds):
+        with open({runs!r}, "a") as f:   # one line per run of a job
+            f.write(f"{{i}} {{os.getpid()}}\\n")
+        await trio.sleep(seconds)
+        return i, os.getpid()
+
+    async def main():
+        return await each((long @ Cores(1))(i, float(sys.argv[1])) for i in range(8))
+
+    print(json.dumps(run(main, {options})), flush=True)
+""")
+
+
+def _runs(path):
+    """job -> how many times it ran, from the lines the jobs wrote."""
+    counts = {}
+    for line in path.read_text().split("\n") if path.exists() else []:
+        if line:
+            i = int(line.split()[0])
+            counts[i] = counts.get(i, 0) + 1
+    return counts
+
+
+def _long_mission(tmp_path, options, seconds):
+    script = tmp_path / "long.py"
+    script.write_text(LONG_JOBS.format(here=HERE, runs=str(tmp_path / "runs"),
+                                       options=options))
+    return subprocess.Popen([sys.executable, str(script), str(seconds)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_head_daemon_killed_mid_run_costs_no_job(daemon, tmp_path):
+    """kill -9 of the daemon while 8 long jobs run on 2 workers: the workers keep them and
+    come back to the daemon the mission starts, which the mission hands its jobs to."""
+    ws = [daemon.workers.start("--url", daemon.edge, "--res", '{"Cores": {"N": 4}}',
+                               "--oversubscribe", name=f"w{i}") for i in (1, 2)]
+    mission = _long_mission(tmp_path, f"config_file={str(daemon.config)!r}", 6)
+    daemon.missions.append(mission)
+    wait_for(lambda: sum(_runs(tmp_path / "runs").values()) == 8, 30, "8 jobs to run")
+    (pid,) = _daemon_pids(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    out, err = mission.communicate(timeout=60)
+    assert mission.returncode == 0, err
+    results = _json.loads(out.strip().splitlines()[-1])
+    assert _runs(tmp_path / "runs") == {i: 1 for i in range(8)}    # each ran exactly once
+    assert {p for _, p in results} == {w.pid for w in ws}
+    assert all(w.poll() is None for w in ws)                      # the same processes
+    assert "handing them to the next one" in err
+    assert len(_daemon_pids(tmp_path)) == 2
+    log = (tmp_path / "head.log").read_text()
+    assert log.count("came back") == 2, log
+
+
+def test_a_mission_that_was_its_own_head_resumes_its_running_jobs(workers, tmp_path):
+    """kill -9 of a mission that is its own head, with a results store, while 8 long jobs
+    run on 2 workers; run again, it becomes the head its workers come back to, and matches
+    their jobs to its own by key: none runs twice."""
+    edge = f"edge://{tmp_path}/edge"
+    store = tmp_path / "campaign.db"
+    ws = [workers.start("--url", edge, "--res", '{"Cores": {"N": 4}}', "--oversubscribe",
+                        name=f"w{i}") for i in (1, 2)]
+    options = f"local=ZERO, address={edge!r}, results={str(store)!r}"
+    first = _long_mission(tmp_path, options, 8)
+    try:
+        wait_for(lambda: sum(_runs(tmp_path / "runs").values()) == 8, 30, "8 jobs to run")
+
+        def running_in_store():
+            with contextlib.closing(sqlite3.connect(store)) as db:
+                return db.execute("SELECT COUNT(*) FROM results WHERE state = 'running'"
+                                  ).fetchone()[0]
+
+        wait_for(lambda: running_in_store() == 8, 10, "the store to say they run")
+        first.kill()
+        first.wait()
+        again = _long_mission(tmp_path, options, 8)
+        out, err = again.communicate(timeout=60)
+        assert again.returncode == 0, err
+    finally:
+        first.kill()
+        first.wait()
+    results = _json.loads(out.strip().splitlines()[-1])
+    assert results == [[i, p] for i, p in results] and [i for i, _ in results] == list(range(8))
+    assert _runs(tmp_path / "runs") == {i: 1 for i in range(8)}
+    assert {p for _, p in results} == {w.pid for w in ws}     # the same processes...
+    assert err.count("came back") == 2, err
+    assert [w.wait(15) for w in ws] == [0, 0]                  # ... which the mission's end let go
 
 
 def test_an_idle_head_daemon_quits_and_cleans_up(tmp_path, workers):
@@ -2165,8 +2288,8 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
         assert cp.returncode == 2
         assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
                                     "(known here: address, auth_key, cli_dial, contextmod, " \
-                                    "dial, log_file, name, res, script, specialized_type, " \
-                                    "system)"
+                                    "dial, log_file, name, reattach, res, results, script, " \
+                                    "specialized_type, system)"
     cp = run_py(GRAIN, "up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     env = dict(os.environ, GRAIN_CONFIG=str(bad))
@@ -3200,3 +3323,273 @@ async def test_with_persistent_false_a_lost_worker_fails_its_jobs(workers, tmp_p
         with pytest.raises(grain.WorkerLostError):  # upstream: abort when a worker leaves
             await job
         assert job.attempts == 1
+
+
+###############################################################################
+# Never lose a result (issue 14): the results store, and heads that die
+###############################################################################
+
+
+def test_a_job_key_follows_what_it_computes():
+    def make(body):
+        ns = {}
+        exec(textwrap.dedent(f"""
+            K = 3
+            def helper(x):
+                return x + K
+            async def job(x, s):
+                return helper(x) {body}
+        """), ns)
+        return ns["job"]
+
+    a, same, edited = make("* 2"), make("* 2"), make("* 3")
+    digest = grain.code_digest
+    assert digest(a) == digest(same) != digest(edited)
+    # what it uses counts too: a helper's body, a constant it reads
+    b = make("* 2")
+    b.__globals__["K"] = 4
+    assert digest(b) != digest(a)
+    key = functools.partial(grain.job_key, digest(a))
+    args = ((1, {"b", "a", "c"}), {})
+    assert key(*args, Cores(1)) == key(*args, Cores(1) & WTime(T=60))  # time limits: no
+    assert key(*args, Cores(1)) != key(*args, Cores(2))
+    assert key(*args, Cores(1)) != key((2, {"a"}), {}, Cores(1))
+    with pytest.raises(TypeError):
+        key((lambda: 0,), {}, Cores(1))      # not picklable: no key (the job just runs)
+    # sets pickle the same in every process, whatever its string hash seed
+    code = ("import sys; sys.path.insert(0, {!r}); import grain; "
+            "print(grain.job_key(b'x', ({{'alpha', 'beta', 'gamma', 'delta'}},), {{}}, "
+            "grain.Cores(1)))").format(HERE)
+    keys = {run_py("-c", code, env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout
+            for seed in (1, 2, 3)}
+    assert len(keys) == 1
+
+
+def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
+    path = tmp_path / "r.db"
+    store = grain.ResultStore(path).open()
+    try:
+        store.record("k1", "f", "done", b"v", duration=1.0)
+        store.record("k2", "g", "failed", b"e", "ValueError: no", "raised")
+        store.flush()
+        with pytest.raises(grain.GrainError) as info:
+            grain.ResultStore(path).open()
+        assert f"in use by the mission pid {os.getpid()} on {grain.hostname()}" in \
+            str(info.value)
+        # a mission on another host holding it: by its holder file
+        cp = run_py(GRAIN, "results", str(path))  # reading needs no hold
+        assert cp.returncode == 0, cp.stderr
+        assert re.search(r"^f\s+done\s+1$", cp.stdout, re.M)
+        assert re.search(r"^g\s+failed\s+1$", cp.stdout, re.M)
+        assert "2 job(s)" in cp.stdout
+    finally:
+        store.close()
+    assert not (tmp_path / "r.db.holder").exists()
+    reopened = grain.ResultStore(path).open()
+    assert reopened.states == {"k1": "done", "k2": "failed"}
+    reopened.close()
+    cp = run_py(GRAIN, "results", str(path), "--forget", "g*", "--state", "failed")
+    assert cp.returncode == 0 and "forgot 1 entry of 'g*' (failed)" in cp.stdout
+    assert "g " not in cp.stdout.split("forgot")[1].split("\n", 1)[1]
+    # a holder that died (same host, pid gone) is taken over
+    (tmp_path / "r.db.holder").write_text(_json.dumps({"host": grain.hostname(),
+                                                        "pid": 2 ** 22 + 1, "since": 0}))
+    grain.ResultStore(path).open().close()
+    # truncated by hand: one line naming it, from run() and from the command line
+    data = path.read_bytes()
+    path.write_bytes(data[:100])
+    with pytest.raises(grain.GrainError) as info:
+        grain.ResultStore(path).open()
+    assert str(info.value).startswith(f"results store {path} cannot be read") and \
+        "\n" not in str(info.value)
+    cp = run_py(GRAIN, "results", str(path))
+    assert cp.returncode != 0 and cp.stderr.count("\n") == 1 and str(path) in cp.stderr
+    cp = run_py(GRAIN, "results", str(tmp_path / "none.db"))
+    assert cp.returncode == 2 and "none.db: no such file" in cp.stderr
+
+
+STORE_MISSION = textwrap.dedent("""
+    import json, os, sys, time, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    def note(line):
+        fd = os.open({runs!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, line.encode())
+        os.close(fd)
+
+    @delayed
+    async def work(i):
+        note(f"{{i}} run\\n")      # a line per run, and one when it returns
+        await trio.sleep(0.005 * (i % 4))
+        note(f"{{i}} end {{time.time()}}\\n")
+        return i * i + {salt}
+
+    async def main():
+        return await each((work @ Cores(1))(i) for i in range(200))
+
+    print(json.dumps(run(main, local=Cores(4), config_file=False, results={store!r})))
+""")
+
+
+def test_a_mission_killed_at_random_resumes_from_its_store(tmp_path):
+    import random
+    runs, store = tmp_path / "runs", tmp_path / "campaign.db"
+    script = tmp_path / "mission.py"
+
+    def mission(salt):
+        script.write_text(STORE_MISSION.format(here=HERE, runs=str(runs), store=str(store),
+                                               salt=salt))
+        return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def lines():
+        return [line.split() for line in runs.read_text().splitlines()] \
+            if runs.exists() else []
+
+    def count():
+        return sum(1 for line in lines() if line[1] == "run")
+
+    def finish(p):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        return _json.loads(out)
+
+    first, at = mission(1), random.randint(100, 180)
+    try:
+        wait_for(lambda: count() >= at, 60, f"{at} runs")
+    finally:
+        killed = time.time()
+        first.kill()                          # kill -9
+        first.wait()
+    ran = count()
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        stored = db.execute("SELECT COUNT(*) FROM results WHERE state = 'done'").fetchone()[0]
+    # What the store lacks of the jobs that had returned: those of the last moments only
+    # (STORE_FLUSH_S, and the time the last write took)
+    ended = {int(line[0]): float(line[2]) for line in lines() if line[1] == "end"}
+    unstored = len(ended) - stored
+    assert unstored >= 0 and sorted(ended.values())[stored - 1] < killed
+    assert all(t > killed - grain.STORE_FLUSH_S - 0.2
+               for t in sorted(ended.values())[stored:]), (killed, sorted(ended.values()))
+    assert finish(mission(1)) == [i * i + 1 for i in range(200)]
+    assert count() == 200 + ran - stored      # only the jobs not stored ran again
+    finish(mission(1))
+    assert count() == 200 + ran - stored      # all stored now: nothing runs
+    assert finish(mission(2)) == [i * i + 2 for i in range(200)]   # an edited body
+    assert count() == 400 + ran - stored      # ... is a new key: all of them ran
+
+
+def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path):
+    store = tmp_path / "r.db"
+    calls = []
+
+    async def flaky(x):
+        calls.append(x)
+        raise ValueError(f"bad {x}")
+
+    async def main():
+        with pytest.raises(ValueError, match="bad 1"):
+            await (delayed(flaky) @ Cores(1))(1)
+
+    for _ in range(2):
+        run(main, local=Cores(1), config_file=False, results=str(store))
+    assert calls == [1, 1]   # stored as failed; run again by default
+    calls.clear()
+    run(main, local=Cores(1), config_file=False, results=str(store), rerun_failed=False)
+    assert calls == []       # rerun_failed=False: the stored error, as raised the first time
+
+
+class _FakeChannel:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def _returning_worker(cores=4):
+    w = grain.RemoteWorker(None, Cores(list(range(cores))), "w", _FakeChannel())
+    return w
+
+
+def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
+    now = [0.0]
+    delivered, pushed = [], []
+    reunion = grain.Reunion(lambda job, *result: delivered.append((job.wire, result)),
+                            clock=lambda: now[0])
+
+    def job(wire, cores=1):
+        j = grain.Job(wire, Cores(cores), None, (), {})
+        j.wire = wire
+        return j
+
+    w = _returning_worker()
+    # it comes back running "a" (cores 0, 1) and "orphan", and with a result for "b"
+    reunion.worker_runs(w, "a", Cores([0, 1]))
+    reunion.worker_runs(w, "orphan", Cores([2]))
+    reunion.worker_runs(w, 7, Cores([3]))        # an old head's number: cancelled at once
+    assert w.channel.sent == [("cancel", 7)] and w.res.N == 0 and w.running == 3
+    reunion.worker_finished("b", (True, b"v", 1.0, None))
+    a, b, c = job("a", 2), job("b"), job("c")
+    assert reunion.offer(a) and a.worker is w and a.state == "running" and w.jobs["a"] is a
+    assert reunion.offer(b) and delivered == [("b", (True, b"v", 1.0, None))]
+    assert reunion.offer(c, hold=True) and "c" in reunion.held   # its worker may come yet
+    assert not reunion.offer(job("d"))                            # never ran: queue it
+    # "a" ends as any job would; the cancelled one comes back as cancelled
+    w.owner = types.SimpleNamespace(job_reported=lambda *a: None, reunion=reunion)
+    w.on_cancelled(7)
+    assert w.res.N == 1 and w.running == 2
+    now[0] = grain.REJOIN_WAIT_S + 1
+    assert not reunion.offer(job("e"), hold=True)                 # too late to hold
+
+
+@trio_test
+async def test_held_jobs_run_again_and_unclaimed_ones_are_cancelled(autojump_clock):
+    pushed = []
+    reunion = grain.Reunion(None, clock=trio.current_time)
+    w = _returning_worker()
+    j = grain.Job(1, Cores(1), None, (), {})
+    j.wire = "held"
+    assert reunion.offer(j, hold=True)
+    reunion.worker_runs(w, "nobody's", Cores([0]))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reunion.run, pushed.append)
+        await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
+        assert pushed == [j]                    # its worker did not come back: run again
+        assert w.channel.sent == []
+        await trio.sleep(grain.ORPHAN_WAIT_S * 1.2)
+        assert w.channel.sent == [("cancel", "nobody's")]   # no mission claimed it
+        nursery.cancel_scope.cancel()
+
+
+def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
+    async def apply(f, x):
+        return f(x)
+
+    async def main():
+        job = delayed(apply) @ Cores(1)
+        return [await job(lambda x: x + 1, i) for i in range(3)]
+
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        for _ in range(2):
+            assert run(main, local=Cores(1), config_file=False,
+                       results=str(tmp_path / "r.db")) == [1, 2, 3]
+    warnings = [r.getMessage() for r in caplog.records if "cannot be keyed" in r.getMessage()]
+    assert len(warnings) == 2 and "apply" in warnings[0]   # once per run, naming it
+
+
+def test_repeated_identical_calls_keep_their_own_results(tmp_path):
+    import random
+
+    async def draw():
+        return random.random()
+
+    async def main():
+        return await each((delayed(draw) @ Cores(1))() for _ in range(5))
+
+    options = dict(local=Cores(2), config_file=False, results=str(tmp_path / "r.db"))
+    first = run(main, **options)
+    assert len(set(first)) == 5          # five samples, not one five times
+    assert run(main, **options) == first  # and the same five, in order, from the store
