@@ -1,13 +1,14 @@
 """2. Remote throughput and 3. latency, through worker processes on loopback.
 
     python bench/bench_remote.py [--impl grainpy|upstream|dask] [N] [--workers W]
-                                 [--cores C] [--latency]
+                                 [--cores C] [--latency] [--results]
 
 Starts W worker processes of C cores (default 1 and 8, as bench_local.py's worker; ids past
 the machine's real cores are virtual), waits until all have joined, runs 200 warm-up jobs,
 then N no-op Cores(1) jobs through the delayed API: the last line is tasks/s. With
 --latency, instead times 200 single jobs one after the other on the idle worker(s) (submit
-to result): the last line is "p50 X ms p99 Y ms".
+to result): the last line is "p50 X ms p99 Y ms". With --results (grain.py), the mission
+keeps a results store (a new one, in the temporary directory).
 
 grainpy: the head listens on an Edge file; workers are `grain.py worker --url edge://...`.
 upstream: its pure-Python head on tcp://127.0.0.1 ([head.gnaw] enabled = false); workers
@@ -38,6 +39,9 @@ CORES = option("--cores", 8)
 LATENCY = "--latency" in ARGS
 if LATENCY:
     ARGS.remove("--latency")
+RESULTS = "--results" in ARGS
+if RESULTS:
+    ARGS.remove("--results")
 N = int(ARGS[0]) if ARGS else 20_000
 
 
@@ -68,8 +72,9 @@ def grainpy():
 
     async def mission(edge):
         procs = []
+        store = os.path.join(os.path.dirname(edge), "results.db") if RESULTS else None
         try:
-            async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
+            async with grain.GrainExecutor(listen=f"edge://{edge}", results=store) as exer:
                 procs += [_peers.grainpy_worker(edge, CORES, f"w{i}") for i in range(WORKERS)]
                 await exer.wait_for_workers(WORKERS)
                 return await measure(each, lambda: (noop @ Cores(1))())
