@@ -928,8 +928,8 @@ class Cores(Resource):
         self.N = len(ids)
 
     def _claim(self, res):
-        ids = self._id_list()
-        ids[:] = [i for i in ids if i not in set(res._ids)]
+        ids, taken = self._id_list(), set(res._id_list())
+        ids[:] = [i for i in ids if i not in taken]
         self.N = len(ids)
 
     def _refusal(self, res):
@@ -3218,6 +3218,19 @@ class _KeyPickler(pickle.Pickler):
 
 
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
+_CORES_KEYS = {}  # N -> the request part of the key of Cores(N), the common request
+
+
+def _request_key(req):
+    if type(req) is Cores and req._ids is None:
+        key = _CORES_KEYS.get(req.N)
+        if key is not None:
+            return key
+    key = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
+    key = key.encode()
+    if type(req) is Cores and req._ids is None:
+        _CORES_KEYS[req.N] = key
+    return key
 
 
 def job_key(fn_digest, args, kwargs, req):
@@ -3225,7 +3238,7 @@ def job_key(fn_digest, args, kwargs, req):
     every run, and its request (but for WTime: time limits do not change what a job
     computes). TypeError when its arguments cannot be pickled."""
     try:
-        if not kwargs and all(type(a) in _PLAIN for a in args):  # the common case, fast
+        if not kwargs and _PLAIN.issuperset(map(type, args)):  # the common case, fast
             data = b"a" + pickle.dumps(args, protocol=4)
         else:
             buf = io.BytesIO()
@@ -3233,8 +3246,7 @@ def job_key(fn_digest, args, kwargs, req):
             data = b"k" + buf.getvalue()
     except Exception as e:
         raise TypeError(f"{e}") from None
-    request = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
-    return hashlib.sha256(fn_digest + data + request.encode()).hexdigest()[:40]
+    return hashlib.sha256(fn_digest + data + _request_key(req)).hexdigest()[:40]
 
 
 class ResultStore:
@@ -3344,8 +3356,7 @@ class ResultStore:
         """Remember a job's state (written at the next flush)."""
         self.states[key] = state
         with self._pending_lock:
-            self._pending.append((key, function, state, value, error, kind, duration,
-                                  time.time()))
+            self._pending.append((key, function, state, value, error, kind, duration))
 
     def flush(self):
         """Write what was recorded, in one transaction (called from a thread)."""
@@ -3355,8 +3366,9 @@ class ResultStore:
             if rows and self._db is not None:
                 with self._db:  # BEGIN ... COMMIT
                     self._db.execute("BEGIN")
-                    self._db.executemany("INSERT OR REPLACE INTO results VALUES "
-                                         "(?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                    self._db.executemany(  # (finished: now, in Unix time, by SQLite)
+                        "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, "
+                        "(julianday('now') - 2440587.5) * 86400.0)", rows)
 
     def summary(self):
         """``[(function, state, count)]`` and the file's size in bytes."""
@@ -3390,16 +3402,21 @@ class MissionResults:
     def __init__(self, path, rerun_failed=True):
         self.store = ResultStore(path)
         self.rerun_failed = rerun_failed
-        self._digests, self._counts, self._unkeyable = {}, {}, set()
+        self._functions = {}  # job function -> (its code digest, its name)
+        self._counts, self._unkeyable = {}, set()
+        self._sent = {}  # wire -> function of jobs sent to a worker process since the last write
+
+    def _function(self, fn):
+        known = self._functions.get(fn)
+        if known is None:
+            known = self._functions[fn] = (code_digest(fn), _callable_name(fn))
+        return known
 
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
         "running" when it was running when the last run of this mission ended."""
         try:
-            digest = self._digests.get(job.fn)
-            if digest is None:
-                digest = self._digests[job.fn] = code_digest(job.fn)
-            key = job_key(digest, job.args, job.kwargs, job.req)
+            key = job_key(self._function(job.fn)[0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(job.fn)
             if name not in self._unkeyable:
@@ -3417,8 +3434,9 @@ class MissionResults:
         return state if state == "running" else None
 
     def running(self, job):
-        """Remember that ``job`` went to a worker process (it may outlive this run)."""
-        self.store.record(job.wire, _callable_name(job.fn), "running")
+        """Remember that ``job`` went to a worker process (it may outlive this run): it is
+        stored as "running" at the next write, unless it has ended by then."""
+        self._sent[job.wire] = job.fn
 
     async def fetch(self, job):
         """``(value, error, kind)`` stored for a known job."""
@@ -3437,7 +3455,8 @@ class MissionResults:
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
-        self.store.record(job.wire, _callable_name(job.fn),
+        self._sent.pop(job.wire, None)
+        self.store.record(job.wire, self._function(job.fn)[1],
                           "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
@@ -3447,6 +3466,9 @@ class MissionResults:
         beat = trio.current_time()
         while True:
             await trio.sleep(STORE_FLUSH_S)
+            sent, self._sent = self._sent, {}
+            for wire, fn in sent.items():
+                self.store.record(wire, self._function(fn)[1], "running")
             await trio.to_thread.run_sync(self.store.flush)
             if trio.current_time() - beat > STORE_BEAT_S:
                 beat = trio.current_time()

@@ -4,8 +4,8 @@ timed alone (keying a job, recording its result, writing it in the batched trans
 
     python bench/bench_store.py [--rounds 5] [N]
 
-Prints, for each benchmark, the median tasks/s both ways, their ratio, and the overhead
-per job (1/with - 1/without) in microseconds; the last line is the head's path alone:
+Prints, for each benchmark, the median tasks/s both ways, the median of the rounds' ratios,
+and the overhead per job (1/with - 1/without, of the medians) in microseconds; the last line is the head's path alone:
 "store X us/job"."""
 import os
 import re
@@ -67,6 +67,9 @@ if __name__ == "__main__":
             print(f"  {script} round {r + 1}: {without[-1]:.0f} / {with_[-1]:.0f} tasks/s",
                   file=sys.stderr)
         a, b = statistics.median(without), statistics.median(with_)
-        print(f"{script}: {a:.0f} tasks/s without a store, {b:.0f} with ({b / a:.0%}); "
-              f"{(1 / b - 1 / a) * 1e6:.1f} us per job")
+        # (the ratio within each round, then their median: a machine whose speed drifts
+        # between rounds moves both runs of a round alike)
+        ratio = statistics.median(w / o for o, w in zip(without, with_))
+        print(f"{script}: {a:.0f} tasks/s without a store, {b:.0f} with; with / without "
+              f"{ratio:.0%}; {(1 / b - 1 / a) * 1e6:.1f} us per job")
     print(f"store {head_path():.1f} us/job on the head's path (key, record, write)")
