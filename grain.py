@@ -3504,6 +3504,13 @@ RETRY_LOST = "worker lost"               # its connection closed or went silent
 RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
 
 
+def interrupted(job, w, kind, why):
+    """The error of a job whose worker ``w`` went away (``kind``: RETRY_LOST or
+    RETRY_RETIRED) while running it."""
+    cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
+    return cls(f"job {job.name} was running on worker {w.name}, which {why}")
+
+
 def failure_class(error):
     """How a job that raised ``error`` failed, for counts and messages (not retried)."""
     return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
@@ -4981,9 +4988,7 @@ class GrainExecutor:
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
-        w = self.scheduler.release(job)
-        cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
-        error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
+        error = interrupted(job, self.scheduler.release(job), kind, why)
         if not self._retry(job, kind, error):
             self._complete(job, None, error, kind)
         if self.scheduler.n_queued:
@@ -6193,7 +6198,9 @@ async def _worker_session(url, res, name, context, listen, key, max_frame, overs
 # lost workers -- and never opens what missions send: jobs and results pass through as
 # the missions and workers pickled them, so no user code runs here. It cancels a
 # mission's running jobs when it goes away, quits after head.idle_quit with no mission,
-# and keeps head.swarm workers submitted when asked to.
+# and keeps head.swarm workers submitted when asked to. Killed, it costs no job: its
+# workers wait for the next daemon with what they run, and its missions hand the next one
+# their jobs by "token/ref", which a Reunion matches to what the workers report.
 
 
 class _OpaqueFunction:
@@ -6383,9 +6390,7 @@ class HeadDaemon:
             self.scheduler.pump()
 
     def job_interrupted(self, job, kind, why):
-        w = self.scheduler.release(job)
-        cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
-        error = cls(f"job {job.name} was running on worker {w.name}, which {why}")
+        error = interrupted(job, self.scheduler.release(job), kind, why)
         if not job.queue.gone and self.retries.again(job, kind, error, self.tally):
             job.state = "queued"
             self.scheduler.push_front(job)

@@ -3593,3 +3593,24 @@ def test_repeated_identical_calls_keep_their_own_results(tmp_path):
     first = run(main, **options)
     assert len(set(first)) == 5          # five samples, not one five times
     assert run(main, **options) == first  # and the same five, in order, from the store
+
+
+def test_the_store_from_grain_toml_lives_beside_the_mission_and_run_combine_takes_it(tmp_path):
+    (tmp_path / "grain.toml").write_text('results = "campaign.db"\n[head.gnaw]\nenabled = false\n')
+    script = tmp_path / "mission.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r})
+        from grain.combine import run_combine, exec1
+        from grain.resource import Cores
+        async def double(x):
+            print("ran", flush=True)
+            return 2 * x
+        async def main():
+            return await exec1(Cores(1), double, 21)
+        print(run_combine(main, rpw=Cores(1), config_file={str(tmp_path / "grain.toml")!r},
+                          address=False))
+    """))
+    outs = [run_py(str(script)) for _ in range(2)]   # (from the repository: not its dir)
+    assert [o.returncode for o in outs] == [0, 0], outs[0].stderr
+    assert outs[0].stdout.split() == ["ran", "42"] and outs[1].stdout.split() == ["42"]
+    assert (tmp_path / "campaign.db").exists() and not (pathlib.Path(HERE) / "campaign.db").exists()
