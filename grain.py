@@ -25,11 +25,11 @@ Sections, in dependency order (each uses only what is above it):
     Errors              GrainError and its children
     Helpers             walltimes, durations, this file's argv, locked files, logging
     Resources           the resource algebra: Resource, ResourceSet, ZERO, the registry
-    Resource kinds      Cores, Memory, Capacity, Token, WTime, Node, Reject
+    Resource kinds      Cores, Memory, Capacity, Token, Gpus, WTime, Node, Reject
     Context             GVAR and the run state, in ContextVars
     Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
     Transports          serve() and connect() for tcp, unix and Edge; Channel sessions
-    Subprocess pool     @subprocify and its on-demand pool of Python processes
+    Subprocesses        the programs a job runs (run_program, job_env); @subprocify's pool
     Config              grain.toml as frozen dataclasses
     Cluster             the batch systems as data (SYSTEMS), job scripts, job records
     Results store       a mission's results in SQLite, keyed by what each job computes
@@ -51,9 +51,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GVAR", "GrainError", "BrokenSubprocessError",
-    "Resource", "ResourceSet", "Cores", "Memory", "Node", "WTime", "Token", "Capacity",
+    "Resource", "ResourceSet", "Cores", "Memory", "Node", "WTime", "Token", "Capacity", "Gpus",
     "ONE_INSTANCE", "ZERO", "Reject", "REJECT", "RESOURCE_TYPES", "register_resource",
-    "subprocify", "subprocess_pool_scope",
+    "subprocify", "subprocess_pool_scope", "run_program", "job_env", "ProgramError",
     "GrainExecutor", "Job",
     "open_waitgroup", "exec1", "run_combine", "load_cache_or_exec1",
     "delayed", "Delayed", "DelayedFn", "DelayedFunction", "delayedval", "each", "run",
@@ -603,9 +603,15 @@ class Resource:
         # alloc() without the check, for the scheduler, which has just called request().
         if self.kind is not None and self.kind == req.kind:
             return self._alloc(req)
-        have = self._parts()
-        return ResourceSet._of({kind: have[kind]._alloc(want)
-                                for kind, want in req._parts().items()})
+        have, wants = self._parts(), req._parts()
+        out = {}
+        if "Gpus" in wants and "Cores" in wants:  # cores close to the job's GPUs, if known
+            out["Gpus"] = gpus = have["Gpus"]._alloc(wants["Gpus"])
+            near = have["Gpus"].cpus_near(gpus)
+            if near:
+                out["Cores"] = have["Cores"]._alloc_near(wants["Cores"], near)
+        return ResourceSet._of({kind: out[kind] if kind in out else have[kind]._alloc(want)
+                                for kind, want in wants.items()})
 
     def dealloc(self, alloc):
         """Give an allocation made by ``alloc`` back to this provider."""
@@ -831,8 +837,9 @@ def _part(res, kind):
 ###############################################################################
 # Resource kinds ##############################################################
 ###############################################################################
-# The built-in kinds: Cores, Memory, Capacity, Token, WTime (whose providers count down
-# and learn the walltime of job groups), Node, and Reject, which grants nothing.
+# The built-in kinds: Cores, Memory, Capacity, Token, Gpus (whole devices or shares of
+# one), WTime (whose providers count down and learn the walltime of job groups), Node,
+# and Reject, which grants nothing.
 
 
 class CoreIds(list):
@@ -920,6 +927,15 @@ class Cores(Resource):
         del ids[:n]
         self.N -= n
         return Cores._of(taken)
+
+    def _alloc_near(self, res, near):
+        """Like _alloc, taking the ids in ``near`` first (the cores close to a job's GPUs)."""
+        ids = self._id_list()
+        taken = ([i for i in ids if i in near] + [i for i in ids if i not in near])[:res.N]
+        chosen = set(taken)
+        ids[:] = [i for i in ids if i not in chosen]
+        self.N -= len(taken)
+        return Cores._of(sorted(taken))
 
     def _dealloc(self, res):
         ids = self._ids if self._ids is not None else self._id_list()
@@ -1085,6 +1101,119 @@ class Token(Resource):
 
     def __setstate__(self, st):
         self.token = st
+
+
+def _fmt_devices(ids):
+    """GPU ids for a repr: ``0-2`` for indices, MIG UUIDs as they are."""
+    if all(i.isdigit() for i in ids):
+        return _fmt_ids([int(i) for i in ids])
+    return ",".join(ids)
+
+
+class Gpus(Resource):
+    """GPUs. As a request, ``Gpus(2)`` is two whole devices and ``Gpus(0.25)`` a quarter of
+    one (up to four such jobs share a device). As a provider or an allocation it names its
+    devices as programs name them in CUDA_VISIBLE_DEVICES (an index, or a MIG instance's
+    UUID): ``Gpus(["0", "1"])``; ``Gpus(4)`` as a provider is devices 0-3. ``.ids`` are the
+    ids, ``.N`` how many (a fraction for a share of one). A provider may know the cores
+    close to each device (``near``: its NUMA node's); a job that asks for cores and GPUs
+    gets its cores there. ``vendor`` says which variable names the devices (nvidia, amd)."""
+
+    kind = "Gpus"
+    _ARGS = ("N", "vendor", "near")
+    __slots__ = ("N", "ids", "share", "vendor", "near", "_free")
+
+    def __init__(self, N, vendor="nvidia", near=None):
+        self.vendor, self.near, self.share = vendor, near or {}, None
+        if isinstance(N, (list, tuple)):
+            self.ids = [str(i) for i in N]
+            if len(set(self.ids)) != len(self.ids):
+                raise ValueError(f"Gpus([ids]): a device is named twice in {N!r}")
+            self.N = len(self.ids)
+        else:
+            _check_amount(N, "Gpus(N): the number of GPUs")
+            if N > 1 and N != int(N):
+                raise ValueError(f"Gpus({N!r}): a fraction of a GPU must be below 1 (a "
+                                 "share of one device); ask for whole devices above that")
+            self.N, self.ids = (int(N) if N >= 1 else N), None
+        self._free = None  # provider: device id -> the fraction of it still free
+
+    @classmethod
+    def _of(cls, ids, share, vendor):  # an allocation
+        g = cls(list(ids), vendor)
+        g.share = share
+        g.N = share if share is not None else len(ids)
+        return g
+
+    def _devices(self):
+        if self._free is None:
+            self._free = {i: 1.0 for i in (self.ids or [str(i) for i in range(int(self.N))])}
+        return self._free
+
+    def _request(self, res):
+        free = self._devices().values()
+        if res.N < 1:
+            return res.N == 0 or any(f >= res.N - 1e-9 for f in free)
+        return sum(1 for f in free if f >= 1.0 - 1e-9) >= res.N
+
+    def _alloc(self, res):
+        free = self._devices()
+        if 0 < res.N < 1:  # the busiest device it fits on: whole ones stay whole
+            dev = min((i for i, f in free.items() if f >= res.N - 1e-9), key=free.get)
+            free[dev] -= res.N
+            return Gpus._of([dev], res.N, self.vendor)
+        devs = [i for i, f in free.items() if f >= 1.0 - 1e-9][:int(res.N)]
+        for dev in devs:
+            free[dev] = 0.0
+        return Gpus._of(devs, None, self.vendor)
+
+    def _dealloc(self, res):
+        free = self._devices()
+        for dev in res.ids:
+            free[dev] = min(1.0, free[dev] + (res.share if res.share is not None else 1.0))
+
+    def _claim(self, res):
+        free = self._devices()
+        for dev in res.ids:
+            if dev in free:
+                free[dev] -= res.share if res.share is not None else 1.0
+
+    def cpus_near(self, alloc):
+        """The core ids close to the devices of ``alloc`` (empty when unknown)."""
+        near = set()
+        for dev in alloc.ids:
+            near.update(self.near.get(dev, ()))
+        return near
+
+    def _refusal(self, res):
+        return f"{self!r} cannot allocate {res!r}"
+
+    def _repr(self):
+        if self.ids is None and self._free is None:
+            return f"GPUs({self.N:g})"
+        ids = self.ids if self._free is None else \
+            [i for i, f in self._free.items() if f > 1e-9]
+        share = f"x{self.share:g}" if self.share is not None else ""
+        return f"GPUs([{_fmt_devices(ids)}]{share})"
+
+    def _stat(self):
+        free = self._devices()
+        return (round(sum(free.values()), 3), len(free))
+
+    def _args(self):
+        args = {"N": self.N if self.ids is None else list(self.ids)}
+        if self.vendor != "nvidia":
+            args["vendor"] = self.vendor
+        return args
+
+    def _key(self):
+        return (self.N, self.ids, self.share)
+
+    def __getstate__(self):
+        return (self.N, self.ids, self.share, self.vendor, self.near, self._free)
+
+    def __setstate__(self, st):
+        self.N, self.ids, self.share, self.vendor, self.near, self._free = st
 
 
 def _timestamp():
@@ -1288,7 +1417,7 @@ class Reject(Resource):
 ONE_INSTANCE = Capacity(-1)
 REJECT = Reject(ZERO)
 TIMESTAT_NSAMPLE = GROUP_SAMPLES  # upstream's name for it
-RESOURCE_TYPES.update({cls.kind: cls for cls in (Cores, Memory, WTime, Token, Capacity)},
+RESOURCE_TYPES.update({cls.kind: cls for cls in (Cores, Memory, WTime, Token, Capacity, Gpus)},
                       Node=Node)
 
 
@@ -1479,14 +1608,18 @@ def dumps_control(msg):
 
 @functools.lru_cache(maxsize=None)
 def _by_value_pickler():
-    """dill's Pickler, pickling functions by value, that takes a module of a ModuleType
-    subclass (as trio before 0.23 is) by name, as dill does for plain modules, instead of
-    failing. Made at first use, as dill is imported only then."""
+    """dill's Pickler, pickling functions by value, that takes by name a module of a
+    ModuleType subclass (as trio before 0.23 is), as dill does for plain modules, instead
+    of failing, and grain itself: dill would take this file, which is not installed, by
+    value (a user's ``grain.GVAR`` in a job). Made at first use, as dill is imported only
+    then."""
+    me = sys.modules[__name__]
 
     class ByValuePickler(dill.Pickler):
         def reducer_override(self, obj):
-            if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
-                    and sys.modules.get(obj.__name__) is obj):
+            if obj is me or (isinstance(obj, types.ModuleType)
+                             and type(obj) is not types.ModuleType
+                             and sys.modules.get(obj.__name__) is obj):
                 return importlib.import_module, (obj.__name__,)
             return NotImplemented
 
@@ -2155,8 +2288,12 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 
 
 ###############################################################################
-# Subprocess pool #############################################################
+# Subprocesses ################################################################
 ###############################################################################
+# A job's external programs: ``run_program`` starts one pinned to the job's cores, with
+# its allocation in the environment (``job_env``: CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS,
+# ...), in a process group of its own that goes with the job (cancelled, past its T).
+#
 # @subprocify runs a sync, CPU-bound function in a separate Python process so it
 # neither holds the GIL nor blocks the trio loop. Pool processes are this same file
 # started as ``grain.py _subproc``; they are spawned on demand, reused, and shut
@@ -2166,6 +2303,107 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 # private pipe (fd passed to the child), so that whatever the job prints goes to
 # the inherited stdout/stderr as the user expects. Each child leads a process group of
 # its own, and is stopped with the whole group: a program a job started goes with it.
+
+
+def _allowed_cores():
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+GPU_VARIABLES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def job_env(env=None, res=None):
+    """The environment a program of this job should get: ``env`` (default: this process's)
+    with the job's GPUs in CUDA_VISIBLE_DEVICES (ROCR_VISIBLE_DEVICES on AMD) and its core
+    count in OMP_NUM_THREADS, MKL_NUM_THREADS and OPENBLAS_NUM_THREADS. ``res``: the
+    allocation (default GVAR.res). A job without Gpus leaves the GPU variables alone."""
+    env = dict(os.environ if env is None else env)
+    res = _RES.get() if res is None else res
+    if res is None:
+        return env
+    cores, gpus = _part(res, "Cores"), _part(res, "Gpus")
+    if cores is not None and cores.N:
+        env.update(dict.fromkeys(THREAD_VARIABLES, str(cores.N)))
+    if gpus is not None and gpus.ids is not None:
+        env[GPU_VARIABLES.get(gpus.vendor, "CUDA_VISIBLE_DEVICES")] = ",".join(gpus.ids)
+    return env
+
+
+def _real_cores(res):
+    """The ids of ``res``'s cores this process may pin to (oversubscribed ones are not)."""
+    cores = _part(res, "Cores") if res is not None else None
+    if cores is None:
+        return []
+    allowed = set(_allowed_cores())
+    return [i for i in cores.c if i in allowed]
+
+
+class ProgramError(GrainError):
+    """A program started by run_program exited with a non-zero status: ``returncode`` and
+    the end of what it wrote to stderr (``stderr_tail``)."""
+
+    def __init__(self, cmd, returncode, stderr_tail=""):
+        super().__init__(cmd, returncode, stderr_tail)
+        self.cmd, self.returncode, self.stderr_tail = cmd, returncode, stderr_tail
+
+    def __str__(self):
+        name = self.cmd if isinstance(self.cmd, str) else shlex.join(map(str, self.cmd))
+        how = (f"was killed by {signal.Signals(-self.returncode).name}"
+               if self.returncode < 0 else f"exited with status {self.returncode}")
+        tail = f"; the end of its stderr:\n{self.stderr_tail}" if self.stderr_tail else ""
+        return f"{name} {how}{tail}"
+
+
+async def _drain(stream, keep, forward=None):
+    """Read ``stream`` to its end into ``keep`` (a bytearray), passing it on to ``forward``
+    (a text stream) as it comes."""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return
+        keep += chunk
+        if forward is not None:
+            forward.write(chunk.decode(errors="replace"))
+            forward.flush()
+
+
+async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, check=True,
+                      env=None):
+    """Run an external program as this job's: pinned to its cores, with ``job_env(env)``,
+    in a process group of its own that is stopped whole (SIGTERM, KILL_GRACE_S, SIGKILL)
+    when the job is cancelled or passes its T. ``cmd``: an argument list, or a string for
+    the shell. ``stdout``/``stderr``: None (this process's; stderr is also kept), PIPE
+    (captured, returned) or a file. Returns a subprocess.CompletedProcess; with ``check``,
+    a non-zero exit raises ProgramError with the end of its stderr."""
+    pin = _real_cores(_RES.get())
+    pipe = subprocess.PIPE
+    proc = await trio.lowlevel.open_process(
+        cmd, shell=isinstance(cmd, str), cwd=cwd, env=job_env(env), stdin=stdin,
+        stdout=stdout, stderr=pipe if stderr is None else stderr, start_new_session=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None)
+    out, err = bytearray(), bytearray()
+    try:
+        async with trio.open_nursery() as nursery:
+            if proc.stdout is not None:
+                nursery.start_soon(_drain, proc.stdout, out)
+            if proc.stderr is not None:
+                nursery.start_soon(_drain, proc.stderr, err,
+                                   sys.stderr if stderr is None else None)
+            await proc.wait()
+            # read what it wrote; a child of it that keeps the pipes open is not waited for
+            nursery.cancel_scope.deadline = trio.current_time() + FLUSH_S
+    except BaseException:
+        await _stop_process(proc)
+        raise
+    tail = err[-4000:].decode(errors="replace").strip()
+    if check and proc.returncode != 0:
+        raise ProgramError(cmd, proc.returncode, tail)
+    return subprocess.CompletedProcess(cmd, proc.returncode, bytes(out) if stdout == pipe
+                                       else None, bytes(err) if stderr == pipe else None)
 
 
 def _child_die_with_parent():
@@ -2203,6 +2441,7 @@ def _subproc_child_main(result_fd):
     if init is None:
         return 0
     sys.path[:] = pickle.loads(init)
+    environ = dict(os.environ)
     while True:
         frame = read_frame()
         if frame is None:
@@ -2211,6 +2450,8 @@ def _subproc_child_main(result_fd):
             fn, args, kwargs, res, instance, cores, timeout = dill.loads(frame)
             _RES.set(res)
             _INSTANCE.set(instance)
+            os.environ.clear()  # this call's allocation, not the last one's
+            os.environ.update(job_env(environ, res))
             if cores:
                 os.sched_setaffinity(0, cores)
             if timeout is not None:
@@ -2262,13 +2503,6 @@ async def _stop_process(process, grace=KILL_GRACE_S):
             if stream is not None:
                 with contextlib.suppress(Exception):
                     await stream.aclose()
-
-
-def _allowed_cores():
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 class SubprocessPool:
@@ -2410,8 +2644,7 @@ class Subprocified:
             raise RuntimeError(
                 f"{_callable_name(self.fn)} is @subprocify'd and needs at least one core, but "
                 f"its job holds {res!r}: submit it with Cores(1) or more")
-        allowed = set(_allowed_cores())
-        pin = [i for i in cores.c if i in allowed]  # virtual (oversubscribed) ids pin nothing
+        pin = _real_cores(res)  # virtual (oversubscribed) ids pin nothing
         deadline = trio.current_effective_deadline()
         timeout = None if deadline == math.inf else deadline - trio.current_time() - SUBPROC_MARGIN_S
         return await rt.pool.call(self.fn, args, kwargs, res, _INSTANCE.get(), pin, timeout)
@@ -2524,6 +2757,7 @@ class ScriptSettings:
     queue: str = ""
     walltime: str = ""   # "", 0: do not ask the batch system for it (its default applies)
     cores: int = 0
+    gpus: int = 0        # whole GPUs of the node to ask for (0: none)
     memory: float = 0    # GB
     extra_args: tuple = ()
     setup_cleanup: str = ""
@@ -2577,7 +2811,7 @@ _COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_
 
 
 _SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
-                "cores": _want_count, "memory": _want_gb,
+                "cores": _want_count, "gpus": _want_count, "memory": _want_gb,
                 "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
 
 
@@ -2752,6 +2986,7 @@ def _pbs_walltime(seconds):
 def _slurm_lines(s, name, log):
     return [f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
             *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
+            *([f"--gres=gpu:{s.gpus}"] if s.gpus else []),
             *([f"--mem={max(1, int(s.memory * 1024))}M"] if s.memory else []),
             *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
             *([f"-o {log}"] if log else [])]
@@ -2760,6 +2995,7 @@ def _slurm_lines(s, name, log):
 def _pbs_lines(s, name, log):
     return [f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
             f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
+            *([f"-l ngpus={s.gpus}"] if s.gpus else []),
             *([f"-l walltime={_pbs_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
             *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
             "-j oe", *([f"-o {log}"] if log else [])]
@@ -2943,6 +3179,8 @@ def worker_resources(s):
     res = {}
     if s.script.cores:
         res["Cores"] = {"N": s.script.cores}
+    if s.script.gpus:  # the worker takes them from those the batch system shows it
+        res["Gpus"] = {"N": s.script.gpus}
     if s.script.memory:
         res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
     if s.script.walltime:
@@ -3040,7 +3278,8 @@ def _render_template(s, body, name, log_file, setup, cleanup, when, seq):
     directives = [f"{c.directive} {a}" for a in s.script.extra_args]
     try:
         return template.format(
-            name=name, queue=s.script.queue, cores=s.script.cores, memory=s.script.memory,
+            name=name, queue=s.script.queue, cores=s.script.cores, gpus=s.script.gpus,
+            memory=s.script.memory,
             walltime=s.script.walltime, log_file=log_file, directives="\n".join(directives),
             main=body, c=_template_fields(s, name, log_file, setup, cleanup, c.directive))
     except (KeyError, AttributeError, IndexError, ValueError) as e:
@@ -4417,6 +4656,7 @@ class HeadService:
                     "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
                     "memory": (w.free.get("Memory", (0, 0))[0],
                                w.total.get("Memory", (0, 0))[1]),
+                    "gpus": (w.free.get("Gpus", (0, 0))[0], w.total.get("Gpus", (0, 0))[1]),
                     "walltime": w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                     "running": w.running, "status": w.status, "where": w.where,
                     "job_id": w.job_id}
@@ -5829,6 +6069,84 @@ def _memory_gb():
     return round((limit or 0) / 2 ** 30, 2)
 
 
+def _tool_output(argv):
+    """A GPU tool's output, or None when it is missing or fails."""
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cp.stdout if cp.returncode == 0 else None
+
+
+def _nvidia_devices():
+    """``(ids, {id: PCI address})`` from nvidia-smi: a GPU's index, or the UUIDs of its MIG
+    instances when it is partitioned (CUDA_VISIBLE_DEVICES takes either)."""
+    listing = _tool_output(["nvidia-smi", "-L"])
+    if listing is None:
+        return [], {}
+    buses = {}
+    for line in (_tool_output(["nvidia-smi", "--query-gpu=index,pci.bus_id",
+                               "--format=csv,noheader"]) or "").splitlines():
+        index, _, bus = line.partition(",")
+        buses[index.strip()] = bus.strip()
+    ids, where, gpu = [], {}, None
+    for line in listing.splitlines():
+        m = re.match(r"GPU (\d+):", line.strip())
+        if m:
+            gpu = m.group(1)
+            ids.append(gpu)
+            where[gpu] = buses.get(gpu)
+            continue
+        m = re.search(r"\bMIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
+        if m and gpu is not None:
+            if gpu in ids:  # partitioned: its instances are the devices
+                ids.remove(gpu)
+            ids.append(m.group(1))
+            where[m.group(1)] = buses.get(gpu)
+    return ids, where
+
+
+def _numa_cores(pci, sysfs):
+    """The cores of the NUMA node of the PCI device ``pci`` (``00000000:3B:00.0``), from
+    sysfs; None when the machine does not say."""
+    if not pci:
+        return None
+    domain, _, rest = pci.lower().partition(":")
+    try:
+        with open(os.path.join(sysfs, "bus/pci/devices", f"{domain[-4:]}:{rest}",
+                               "numa_node")) as f:
+            node = int(f.read())
+        if node < 0:
+            return None
+        with open(os.path.join(sysfs, f"devices/system/node/node{node}/cpulist")) as f:
+            return parse_ids(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def find_gpus(environ=None, sysfs="/sys"):
+    """This machine's GPUs as a provider, or None: CUDA_VISIBLE_DEVICES when set (a batch
+    system's choice for this job), else what ``nvidia-smi -L`` lists (MIG instances by
+    UUID), else ROCR_VISIBLE_DEVICES, else what ``rocm-smi`` lists. NVIDIA devices know
+    the cores of their NUMA node when nvidia-smi and sysfs say."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids, where = _nvidia_devices()
+    vendor = "nvidia"
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
+    elif not ids:
+        vendor = "amd"
+        rocr = environ.get("ROCR_VISIBLE_DEVICES")
+        ids = [d.strip() for d in rocr.split(",") if d.strip()] if rocr is not None else \
+            re.findall(r"^GPU\[(\d+)\]", _tool_output(["rocm-smi", "--showid"]) or "", re.M)
+        ids = list(dict.fromkeys(ids))
+    if not ids:
+        return None
+    near = {d: c for d in ids if (c := _numa_cores(where.get(d), sysfs))}
+    return Gpus(ids, vendor=vendor, near=near)
+
+
 def worker_provider(req=None, oversubscribe=False):
     """The resources a worker offers, from its ``--res`` request: without Cores, the whole
     cpuset; without Memory, its memory limit. Core ids come from this process's affinity
@@ -5843,6 +6161,7 @@ def worker_provider(req=None, oversubscribe=False):
         allowed = granted
     parts = dict((req or ZERO)._parts())
     parts.setdefault("Memory", Memory(_memory_gb()))
+    _fit_gpus(parts, oversubscribe)
     cores = parts.setdefault("Cores", Cores._of(allowed))
     if cores is not None:
         if cores._counted and cores.N > len(allowed) and oversubscribe:
@@ -5859,6 +6178,28 @@ def worker_provider(req=None, oversubscribe=False):
             raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
                              f"only {_fmt_ids(allowed)}")
     return ResourceSet._of(parts)
+
+
+def _fit_gpus(parts, oversubscribe):
+    """The GPUs a worker offers: those it finds; ``--res`` ``Gpus(N)`` takes the first N
+    of them (more is an error, unless ``oversubscribe``: then the ids are virtual), and
+    ``--res`` naming ids offers those."""
+    asked = parts.get("Gpus")
+    if asked is not None and asked.ids is not None:
+        return
+    found = find_gpus()
+    if asked is None:
+        if found is not None:
+            parts["Gpus"] = found
+        return
+    have = found.ids if found is not None else []
+    if asked.N > len(have) and not oversubscribe:
+        raise UsageError(f"--res asks for {asked.N:g} GPU(s) but this machine shows "
+                         f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}")
+    if asked.N > len(have):
+        parts["Gpus"] = Gpus([str(i) for i in range(int(asked.N))])
+    else:
+        parts["Gpus"] = Gpus(have[:int(asked.N)], found.vendor, found.near)
 
 
 def _fit_allocation(provider):
@@ -6815,21 +7156,25 @@ async def cli_request(address, key, *msg):
 
 def format_ls(stats):
     """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
-    rows = [("WORKER", "CORES free/total", "MEMORY free/total", "WALLTIME", "RUNNING",
-             "STATUS", "WHERE")]
-    tc = [0, 0]
-    tm = [0.0, 0.0]
+    gpus = any(w.get("gpus", (0, 0))[1] for w in stats["workers"])  # a column if any
+    rows = [("WORKER", "CORES free/total", "MEMORY free/total") + ("GPUS free/total",) * gpus +
+            ("WALLTIME", "RUNNING", "STATUS", "WHERE")]
+    tc, tm, tg = [0, 0], [0.0, 0.0], [0.0, 0]
     running = 0
     for w in stats["workers"]:
         tc = [tc[0] + w["cores"][0], tc[1] + w["cores"][1]]
         tm = [tm[0] + w["memory"][0], tm[1] + w["memory"][1]]
+        g = w.get("gpus", (0, 0))
+        tg = [tg[0] + g[0], tg[1] + g[1]]
         running += w["running"]
         rows.append((w["name"], f"{w['cores'][0]}/{w['cores'][1]}",
-                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB",
-                     "-" if w["walltime"] is None else format_walltime(w["walltime"]),
+                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB") +
+                    (f"{g[0]:g}/{g[1]}",) * gpus +
+                    ("-" if w["walltime"] is None else format_walltime(w["walltime"]),
                      str(w["running"]), w["status"], w["where"]))
-    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB", "", str(running),
-                 f"{len(stats['workers'])} worker(s)", ""))
+    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB") +
+                (f"{tg[0]:g}/{tg[1]}",) * gpus +
+                ("", str(running), f"{len(stats['workers'])} worker(s)", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     def by_class(counts):
@@ -7265,10 +7610,11 @@ def _names(spaced, **renamed):
 
 _SUBMODULES = {
     "delayed": _names("delayed Delayed DelayedFn DelayedFunction delayedval each run"),
-    "resource": _names("Resource ResourceSet Cores Memory Node WTime Token Capacity "
+    "resource": _names("Resource ResourceSet Cores Memory Node WTime Token Capacity Gpus "
                        "ONE_INSTANCE ZERO Reject REJECT RESOURCE_TYPES TIMESTAT_NSAMPLE "
                        "register_resource"),
-    "subproc": _names("subprocify subprocess_pool_scope BrokenSubprocessError SubprocessPool"),
+    "subproc": _names("subprocify subprocess_pool_scope BrokenSubprocessError SubprocessPool "
+                      "run_program job_env ProgramError"),
     "combine": _names("open_waitgroup exec1 run_combine load_cache_or_exec1 WaitGroup",
                       run="run_combine"),
     "executor": _names("GrainExecutor Job"),

@@ -38,7 +38,7 @@ except NameError:  # Python < 3.11
     from exceptiongroup import ExceptionGroup
 from grain import GVAR
 from grain.delayed import delayed, each, run
-from grain.resource import ZERO, Capacity, Cores, Memory, Node, Token, WTime
+from grain.resource import ZERO, Capacity, Cores, Gpus, Memory, Node, Token, WTime
 from grain.subproc import BrokenSubprocessError, subprocify, subprocess_pool_scope
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -871,6 +871,7 @@ async def test_seed_tutorial_timings(autojump_clock):
     ("tutorial_parallel.py", ["elevated_sum([7, 8, 9]) = 27", "elevated_sum([4, 5, 6]) = 18",
                               "elevated_sum([1, 2, 3]) = 9", "[9, 18, 27]"]),
     ("subproc.py", ["Running in a subprocess with CPU_Cores(["]),
+    ("programs.py", ["3 squared is 9 (2 thread(s))", "[1, 4, 9, 16]"]),
 ])
 def test_examples_run_unchanged(script, expect):
     cp = run_py(os.path.join("examples", script))
@@ -1209,10 +1210,10 @@ class Workers:
         self.tmp_path = tmp_path
         self.procs = []
 
-    def start(self, *args, name="w"):
+    def start(self, *args, name="w", env=None):
         log = open(self.tmp_path / f"{name}.log", "w")
         proc = subprocess.Popen([sys.executable, GRAIN, "worker", "--name", name, *args],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env)
         proc.log_path = self.tmp_path / f"{name}.log"
         self.procs.append(proc)
         return proc
@@ -3614,3 +3615,309 @@ def test_the_store_from_grain_toml_lives_beside_the_mission_and_run_combine_take
     assert [o.returncode for o in outs] == [0, 0], outs[0].stderr
     assert outs[0].stdout.split() == ["ran", "42"] and outs[1].stdout.split() == ["42"]
     assert (tmp_path / "campaign.db").exists() and not (pathlib.Path(HERE) / "campaign.db").exists()
+
+
+###############################################################################
+# GPUs, and the allocation reaching the programs a job starts (issue 15)
+###############################################################################
+
+
+def test_gpus_whole_devices_and_shares():
+    node = Gpus(4)
+    whole, pair = node.alloc(Gpus(1)), node.alloc(Gpus(2))
+    halves = [node.alloc(Gpus(0.5)) for _ in range(2)]
+    assert whole.ids == ["0"] and pair.ids == ["1", "2"]
+    assert halves[0].ids == halves[1].ids == ["3"]        # shares fill one device
+    assert not node.request(Gpus(0.25)) and not node.request(Gpus(1))
+    node.dealloc(pair)
+    quarter = node.alloc(Gpus(0.25))                      # shares one device, not two
+    assert node.alloc(Gpus(0.25)).ids == quarter.ids == ["1"]
+    node.dealloc(quarter)
+    node.dealloc(quarter)
+    assert node.request(Gpus(2)) and not node.request(Gpus(3))
+    assert repr(halves[0]) == "GPUs([3]x0.5)" and repr(pair) == "GPUs([1-2])"
+    assert repr(Gpus(["MIG-a", "MIG-b"])) == "GPUs([MIG-a,MIG-b])"
+    assert node.stat() == {"Gpus": (2.0, 4)}
+    with pytest.raises(ValueError, match=r"Gpus\(1.5\): a fraction of a GPU must be below 1"):
+        Gpus(1.5)
+    assert grain.Resource.from_dict({"Gpus": {"N": 2}, "Cores": {"N": 4}}) == \
+        Gpus(2) & Cores(4)
+    assert pickle.loads(pickle.dumps(node)).stat() == node.stat()
+    # a worker that comes back to a new head with a job still holds its devices
+    fresh = Gpus(4)
+    fresh.claim(halves[0])
+    fresh.claim(whole)
+    assert fresh.stat() == {"Gpus": (2.5, 4)} and not fresh.request(Gpus(3))
+
+
+def test_a_jobs_cores_come_from_its_gpus_numa_node():
+    node = Gpus(["0", "1", "2", "3"], near={"0": [0, 1, 2, 3], "1": [0, 1, 2, 3],
+                                             "2": [4, 5, 6, 7], "3": [4, 5, 6, 7]}) & Cores(8)
+    first = node.alloc(Gpus(2) & Cores(2))
+    assert first.ids == ["0", "1"] and first.c == [0, 1]
+    second = node.alloc(Cores(1))
+    assert second.c == [2]
+    third = node.alloc(Gpus(1) & Cores(3))
+    assert third.ids == ["2"] and third.c == [4, 5, 6]
+    fourth = node.alloc(Gpus(1) & Cores(2))      # one near core left: then the nearest
+    assert fourth.ids == ["3"] and fourth.c == [3, 7]
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+if [ "$1" = "-L" ]; then
+  cat <<'END'
+{listing}END
+else
+  cat <<'END'
+0, 00000000:07:00.0
+1, 00000000:0B:00.0
+2, 00000000:87:00.0
+3, 00000000:8B:00.0
+END
+fi
+"""
+
+PLAIN_GPUS = "".join(f"GPU {i}: NVIDIA A100-SXM4-40GB (UUID: GPU-{i}aaa)\n" for i in range(4))
+MIG_GPUS = ("GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0aaa)\n"
+            "  MIG 3g.20gb     Device  0: (UUID: MIG-0a)\n"
+            "  MIG 3g.20gb     Device  1: (UUID: MIG-0b)\n"
+            "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-1aaa)\n")
+
+
+def fake_gpu_machine(tmp_path, listing):
+    """A directory with a fake nvidia-smi (for PATH) and a fake sysfs: GPUs 0-1 on NUMA
+    node 0 (cores 0-3), 2-3 on node 1 (cores 4-7)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI.format(listing=listing))
+    smi.chmod(0o755)
+    sysfs = tmp_path / "sys"
+    for bus, node in (("07", 0), ("0b", 0), ("87", 1), ("8b", 1)):
+        d = sysfs / "bus/pci/devices" / f"0000:{bus}:00.0"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "numa_node").write_text(f"{node}\n")
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        d = sysfs / f"devices/system/node/node{node}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpulist").write_text(cpus + "\n")
+    return bin_dir, sysfs
+
+
+def test_a_worker_finds_its_gpus(tmp_path, monkeypatch):
+    bin_dir, sysfs = fake_gpu_machine(tmp_path, PLAIN_GPUS)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    found = grain.find_gpus(sysfs=str(sysfs))
+    assert found.ids == ["0", "1", "2", "3"] and found.vendor == "nvidia"
+    assert found.cpus_near(Gpus(["2"])) == {4, 5, 6, 7}
+    # the batch system's choice wins (Slurm sets it for --gres)
+    found = grain.find_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, sysfs=str(sysfs))
+    assert found.ids == ["2", "3"] and found.cpus_near(found) == {4, 5, 6, 7}
+    assert grain.find_gpus({"CUDA_VISIBLE_DEVICES": ""}) is None
+    # MIG: a partitioned GPU's instances are the devices, by UUID
+    bin_dir, sysfs = fake_gpu_machine(tmp_path, MIG_GPUS)
+    found = grain.find_gpus(sysfs=str(sysfs))
+    assert found.ids == ["MIG-0a", "MIG-0b", "1"]
+    assert found.cpus_near(Gpus(["MIG-0b"])) == {0, 1, 2, 3}
+    # AMD, when there is no NVIDIA tool
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    found = grain.find_gpus({"ROCR_VISIBLE_DEVICES": "0,1"})
+    assert found.ids == ["0", "1"] and found.vendor == "amd"
+    assert grain.job_env({}, Gpus._of(["1"], None, "amd")) == {"ROCR_VISIBLE_DEVICES": "1"}
+    assert grain.find_gpus({}) is None                      # none found: none offered
+
+
+def test_script_gpus_asks_the_batch_system():
+    base = 'system = "{}"\n[script]\ncores = 4\ngpus = 2\n'
+    slurm = grain.parse_config(base.format("slurm"), "x.toml").role("worker")
+    script = grain.render_script(slurm, grain.worker_command(slurm, "/opt/grain.py"))
+    assert "#SBATCH --gres=gpu:2" in script.splitlines()
+    assert '"Gpus":{"N":2}' in script
+    pbs = grain.parse_config(base.format("pbs"), "x.toml").role("worker")
+    assert "#PBS -l ngpus=2" in grain.render_script(pbs, "true").splitlines()
+    custom = grain.parse_config(base.format("custom") + '[custom_system]\ntemplate = '
+                                '"#!/bin/sh\\n# gpus={gpus}\\n{main}"\n', "x.toml")
+    assert "# gpus=2" in grain.render_script(custom.role("worker"), "true")
+
+
+@trio_test
+async def test_a_job_asking_for_more_gpus_than_any_worker_is_named(autojump_clock, caplog):
+    async def job():
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with grain.GrainExecutor(rpw=Cores(2) & Gpus(4)) as exer:
+            exer.submit(Cores(1) & Gpus(8), job)
+            await trio.sleep(grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
+            (warning,) = [r.getMessage() for r in caplog.records]
+            assert "job requesting CPU_Cores([0]) & GPUs(8) has fitted no worker" in warning
+            assert "the largest worker is local with CPU_Cores([0-1]) & GPUs(4)" in warning
+            exer.add_local_worker(Cores(1) & Gpus(8), "big")
+
+
+def _process_group(pgid):
+    """Pids of the processes of group ``pgid``, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    pids.append(int(entry))
+    return pids
+
+
+async def _program_report():
+    import subprocess
+    from grain import run_program
+    r = await run_program(["sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES|$OMP_NUM_THREADS|'
+                                       '$MKL_NUM_THREADS"; grep Cpus_allowed_list '
+                                       '/proc/self/status'], stdout=subprocess.PIPE)
+    env, allowed = r.stdout.decode().splitlines()
+    return env, allowed.split()[1]
+
+
+@trio_test
+async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    async with grain.GrainExecutor(rpw=Cores(cores) & Gpus(4)) as exer:
+        env, allowed = await exer.submit(Cores(1) & Gpus(2), _program_report)
+        assert env == "0,1|1|1" and grain.parse_ids(allowed) == [cores[0]]
+        env, allowed = await exer.submit(Cores(len(cores)), _program_report)
+        assert env.startswith(f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}|{len(cores)}|")
+
+        async def failing():
+            await grain.run_program("echo starting; echo 'no basis set' >&2; exit 3")
+
+        with pytest.raises(grain.ProgramError) as info:
+            await exer.submit(Cores(1), failing)
+        assert info.value.returncode == 3 and info.value.stderr_tail == "no basis set"
+        assert str(info.value).endswith("exited with status 3; the end of its stderr:\n"
+                                        "no basis set")
+
+        pgid_file = tmp_path / "pgid"
+
+        async def stuck():   # a program that starts children of its own, and hangs
+            await grain.run_program(f"echo $$ > {pgid_file}; sleep 60 & sleep 60 & wait")
+
+        with pytest.raises(trio.TooSlowError):
+            await exer.submit(Cores(1) & WTime(T=2), stuck)   # its T is enforced
+        pgid = int(pgid_file.read_text())
+        assert _process_group(pgid) == []                     # the whole group went
+
+    pgid_file.unlink()
+    with trio.CancelScope() as scope:   # the mission is cancelled while the program runs
+        async with grain.GrainExecutor(rpw=Cores(1)) as exer:
+            exer.submit(Cores(1), stuck)
+            with trio.fail_after(10):
+                while not pgid_file.exists() or not pgid_file.read_text():
+                    await trio.sleep(0.05)
+            pgid = int(pgid_file.read_text())
+            assert len(_process_group(pgid)) == 3
+            scope.cancel()
+    assert scope.cancelled_caught and _process_group(pgid) == []
+
+
+def sp_environment():
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")
+
+
+@trio_test
+async def test_a_subprocify_child_gets_the_jobs_environment():
+    fn = subprocify(sp_environment)
+
+    async def job():
+        return await fn()
+
+    async with subprocess_pool_scope():
+        async with grain.GrainExecutor(rpw=Cores(2) & Gpus(2)) as exer:
+            assert await exer.submit(Cores(2) & Gpus(0.5), job) == ("0", "2")
+            assert await exer.submit(Cores(1) & Gpus(1), job) == ("0", "1")
+
+
+async def _devices_for_a_while():
+    import subprocess
+    import time
+    from grain import run_program
+    started = time.time()
+    r = await run_program('echo "$CUDA_VISIBLE_DEVICES"; sleep 1.5', stdout=subprocess.PIPE)
+    return r.stdout.decode().strip(), started, time.time()
+
+
+@trio_test
+async def test_a_worker_offers_the_gpus_it_finds_and_jobs_share_only_fractions(workers,
+                                                                               tmp_path):
+    bin_dir, _ = fake_gpu_machine(tmp_path, PLAIN_GPUS)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}', env=env,
+                      name="gpu-node")
+        await exer.wait_for_workers(1)
+        ls = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "ls", "-a",
+                                                          exer.urls["tcp"]).stdout)
+        assert re.search(r"^gpu-node\s+1/1\s+\S+ GB\s+4/4\s", ls, re.M), ls
+        jobs = [exer.submit(req, _devices_for_a_while)
+                for req in (Gpus(1), Gpus(2), Gpus(0.5), Gpus(0.5))]
+        (one, _, _), (two, _, _), (half, s1, e1), (other_half, s2, e2) = \
+            [await j for j in jobs]
+    whole = one.split(",") + two.split(",")
+    assert len(whole) == len(set(whole)) == 3                  # whole devices: disjoint
+    assert half == other_half and half not in whole            # the halves share one
+    assert s2 < e1 and s1 < e2                                 # ... at the same time
+
+
+GPU_MISSION = textwrap.dedent("""
+    import json, subprocess, sys
+    sys.path.insert(0, {here!r})
+    from grain import run_program
+    from grain.delayed import delayed, each, run
+    from grain.resource import Gpus
+
+    @delayed
+    async def devices():
+        done = await run_program("echo $CUDA_VISIBLE_DEVICES; sleep 1", stdout=subprocess.PIPE)
+        return done.stdout.decode().strip()
+
+    async def main():
+        return await each((devices @ Gpus(1))() for _ in range(2))
+
+    print(json.dumps(run(main, config_file={config!r})))
+""")
+
+
+@needs_slurm
+def test_a_worker_job_with_script_gpus_offers_the_gpus_slurm_gave_it(tmp_path, slurm_cleanup):
+    node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True).stdout
+    assert "gpu:4" in node, "the CI Slurm has no stand-in GPUs (.ci/slurm-up.sh): " + node
+    cfg = slurm_config(tmp_path, gpus=2, cores=1)
+    mission = tmp_path / "mission.py"
+    mission.write_text(GPU_MISSION.format(here=HERE, config=str(cfg)))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        up = grain_cli("up", "-c", str(cfg), cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        (job,) = re.findall(r"submitted worker job (\S+) ", up.stdout)
+        seen = {}
+
+        def listed():
+            seen["ls"] = grain_cli("ls", "-c", str(cfg), cwd=tmp_path).stdout
+            return re.search(rf"^\S+-{job}\s+\S+\s+\S+ GB\s+(\S+)\s", seen["ls"], re.M)
+
+        wait_for(listed, 90, "the worker in `ls`")
+        assert listed().group(1) in ("2/2", "1/2", "0/2"), seen["ls"]   # two GPUs offered
+        out, err = head.communicate(timeout=120)
+        assert head.returncode == 0, err
+        slurm = subprocess.run(["scontrol", "show", "job", "-d", job], capture_output=True,
+                               text=True).stdout
+        given = re.search(r"GRES=gpu(?:\(IDX:|:\d+\(IDX:)([\d,-]+)\)", slurm)
+        devices = _json.loads(out.strip().splitlines()[-1])
+        assert sorted(devices) == [str(i) for i in grain.parse_ids(given.group(1))], \
+            (devices, slurm)                          # one each, of those Slurm gave
+        assert grain_cli("stop", "-c", str(cfg), cwd=tmp_path).returncode == 0
+    finally:
+        head.kill()
+        head.wait()

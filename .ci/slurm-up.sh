@@ -15,6 +15,23 @@ mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge
 chown munge:munge /run/munge 2>/dev/null || true
 
+# Four stand-in GPUs as a generic resource: character devices like /dev/null. Slurm gives
+# a job with --gres=gpu:N N of them and says which in CUDA_VISIBLE_DEVICES, as on a GPU
+# node; nothing here uses a real GPU.
+gres=""
+mkdir -p /dev/grainfake
+for i in 0 1 2 3; do
+  [ -e /dev/grainfake/gpu$i ] || mknod /dev/grainfake/gpu$i c 1 3 2>/dev/null || true
+done
+if [ -c /dev/grainfake/gpu3 ]; then
+  gres=" Gres=gpu:4"
+  gres_conf="Name=gpu File=/dev/grainfake/gpu[0-3]"
+  if [ ! -f /etc/slurm/gres.conf ] || [ "$(cat /etc/slurm/gres.conf)" != "$gres_conf" ]; then
+    echo "$gres_conf" > /etc/slurm/gres.conf
+    rm -f /etc/slurm/slurm.conf  # written again below: the daemons restart
+  fi
+fi
+
 conf=/etc/slurm/slurm.conf
 want=$(cat <<CONF
 ClusterName=grainci
@@ -31,7 +48,8 @@ SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 MinJobAge=300
-NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
+GresTypes=gpu
+NodeName=$host CPUs=$cpus RealMemory=$mem_mb$gres State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
 )
@@ -39,7 +57,10 @@ if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$want" ]; then
   echo "$want" > "$conf"
   pkill -x slurmctld 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
-  sleep 1
+  for _ in $(seq 1 30); do  # gone before they start again with the new config
+    pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break
+    sleep 0.5
+  done
 fi
 
 pgrep -x munged >/dev/null || su -s /bin/sh munge -c munged
