@@ -37,6 +37,7 @@ Sections, in dependency order (each uses only what is above it):
     Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
     Head service        where workers, the CLI and missions reach a head
     Mission link        how a mission reaches and uses the head daemon
+    Watching a mission  its status line, totals and HTML report
     Executor            GrainExecutor: jobs, retries, failure classes, lifetime
     Combine             open_waitgroup, exec1, run_combine; mission options
     Delayed             @delayed, Delayed placeholders, each, run; grain.util
@@ -505,6 +506,7 @@ def _default_logging():
         return
     handler = logging.StreamHandler()
     handler.setFormatter(_GrainFormatter())
+    handler.grain_default = True  # (a mission's status line may share its terminal)
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
@@ -2804,10 +2806,11 @@ class RoleSettings:
     specialized_type: str = ""    # a module: see the specialized workers in the README
     reattach: float = REATTACH_S  # seconds a worker whose head went keeps its jobs for another
     results: str = ""             # a mission's results store (relative: to its directory)
+    report: str = ""              # a mission's HTML report, written at its end (ditto)
 
 
 _COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
-                "contextmod": _want_str, "results": _want_str}
+                "contextmod": _want_str, "results": _want_str, "report": _want_str}
 
 
 _SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
@@ -3817,6 +3820,7 @@ class Worker:
         self.res = res.copy()          # free resources; allocation mutates this copy
         self.total = res.copy()        # for display, and to tell what could ever fit
         self.running = 0
+        self.busy = set()              # the jobs running here
         self.accepting = True          # False once told to drain (quit) or retiring
         self.reserved_for = None       # a long-blocked job: no other job starts here
 
@@ -4214,15 +4218,18 @@ class Scheduler:
         if job.group is not None:
             job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
         job.worker = w
+        job.started = self.clock()
         w.running += 1
+        w.busy.add(job)
         w.start(job)
 
     def release(self, job, ok=False):
         """Give a job's allocation back to its worker, which it returns (only a run that
-        succeeded teaches its WTime group how long the group's runs take)."""
+        succeeded teaches its WTime group how long the group's runs take). The job keeps
+        ``alloc`` and ``worker``: where it ran last."""
         w, alloc = job.worker, job.alloc
         w.running -= 1
-        job.alloc = None
+        w.busy.discard(job)
         if alloc is not ZERO:
             if not ok and job.group is not None:
                 _part(alloc, "WTime")._since = None
@@ -4253,7 +4260,7 @@ class Scheduler:
         """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
         (backfill) later ones that fit while the oldest waits; returns how many started."""
         jobs, workers = queue.jobs, self.workers
-        started = 0
+        started, now = 0, self.clock()
         while jobs and started != limit:
             job = jobs[0]
             req = job.req
@@ -4285,7 +4292,9 @@ class Scheduler:
             if job.group is not None:
                 job.T = _part(job.alloc, "WTime").T
             job.worker = w
+            job.started = now
             w.running += 1
+            w.busy.add(job)
             w.start(job)
             started += 1
         return started
@@ -4374,6 +4383,66 @@ class Scheduler:
                            f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
                            "job(s) queued"))
         return out
+
+    def explain(self):
+        """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
+        "request", "waited", "reason"}]``, the reason in words with its figures."""
+        now, out = self.clock(), []
+        for q in self.queues:
+            if q.jobs:
+                job = q.jobs[0]
+                waited = now - q.blocked_since if q.blocked_job is job else 0.0
+                out.append({"queue": q.name, "job": job.name, "request": repr(job.req),
+                            "waited": round(waited, 1), "reason": self._why(q, job, now)})
+        return out
+
+    def _why(self, queue, job, now):
+        req, workers = job.req, self.workers
+        if not workers:
+            return "no worker has joined yet"
+        if queue.reserved is not None:
+            w = queue.reserved
+            return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
+                    f"nothing else starts there until it fits ({w.name} has {w.res!r} free)")
+        token = _part(req, "Token")
+        tokens = sorted({t.token for w in workers for t in [_part(w.total, "Token")] if t})
+        if token is not None and token.token not in tokens:
+            return (f"its token {token.token!r} matches no worker (their tokens: "
+                    f"{', '.join(tokens) or 'none'})")
+        wt = _part(req, "WTime")
+        if wt is not None and wt.softT:
+            left, w = max(((_part(w.res, "WTime").remaining(), w) for w in workers),
+                          key=lambda lw: lw[0])
+            if left < wt.softT:
+                return (f"every worker has less walltime left than its softT "
+                        f"{format_walltime(wt.softT)}: the most is {format_walltime(left)}, "
+                        f"on {w.name}")
+        large = [w for w in workers if w.total.request(req)]
+        if not large:
+            big = max(workers, key=lambda w: _size_key(w.total))
+            return (f"no worker is large enough: it asks {req!r}; the largest is {big.name} "
+                    f"with {big.offered!r}")
+        room = [w for w in large if w.res.request(req)]
+        if room:
+            held = [w for w in room if w.reserved_for is not None]
+            if held and len(held) == len(room):
+                other = held[0].reserved_for
+                return (f"the worker(s) with room are held for {other.name}, which waited "
+                        f"longer (reserved)")
+            return "a worker has room: it starts at the next pass"
+        busy = ", ".join(f"{w.name} ({w.running} running, {w.res!r} free)" for w in large[:4])
+        more = f" and {len(large) - 4} more" if len(large) > 4 else ""
+        text = f"all {len(large)} worker(s) large enough are busy: {busy}{more}"
+        running = [j for w in large for j in w.busy if j.started is not None]
+        if running:
+            first = min(running, key=lambda j: (j.started + j.T if j.T else math.inf,
+                                                j.started))
+            ran = format_walltime(now - first.started)
+            text += (f"; the first to free should be {first.name} on {first.worker.name} "
+                     f"(running for {ran}" +
+                     (f", its T ends in {format_walltime(first.started + first.T - now)})"
+                      if first.T else ", no T)"))
+        return text
 
     def statistics(self):
         heads = [q.jobs[0] for q in self.queues if q.jobs]
@@ -4666,7 +4735,8 @@ class HeadService:
                 "failed": tally.counts["failed"], "retried": tally.counts["retried"],
                 "retried_by_class": dict(tally.retried_by_class),
                 "failed_by_class": dict(tally.failed_by_class),
-                "next": repr(st.next_request) if st.next_request is not None else None}
+                "next": repr(st.next_request) if st.next_request is not None else None,
+                "waiting": self.owner.scheduler.explain()}
 
     def quit(self, pattern, force):
         """Make the workers whose names match ``pattern`` leave: after their jobs, or now."""
@@ -4859,6 +4929,290 @@ class MissionLink:
 
 
 ###############################################################################
+# Watching a mission ##########################################################
+###############################################################################
+# What a mission shows of itself: MissionRecord keeps, beside the jobs (which record
+# their request, allocation, worker, times, attempts and failure class), the workers and
+# when they came and went; at the end it gives the totals of the last log line (jobs,
+# core-hours, utilization) and, asked to, a report: one self-contained HTML file (inline
+# SVG and CSS, no script), for any browser, from a cluster's home directory.
+
+REPORT_WIDTH = 1000        # pixels of the report's time axis
+REPORT_MAX_BARS = 3000     # above this, a core's jobs closer than a pixel are drawn as one
+
+
+def _cores_of(res):
+    c = _part(res, "Cores") if res is not None else None
+    return c.N if c is not None else 0
+
+
+def _job_cores(job):
+    """The cores a job held: its allocation's, or (through a head daemon, whose workers a
+    mission does not see) its request's."""
+    return _cores_of(job.alloc) or _cores_of(job.req)
+
+
+class MissionRecord:
+    """The workers a mission saw, and its totals and report from its jobs."""
+
+    def __init__(self):
+        self.t0 = _now()
+        self.workers = []   # [worker, joined, left (None while there)]
+
+    def joined(self, w):
+        self.workers.append([w, _now(), None])
+
+    def left(self, w):
+        for entry in self.workers:
+            if entry[0] is w and entry[2] is None:
+                entry[2] = _now()
+
+    def totals(self, jobs, end=None):
+        """jobs (with resources), done, failed, and core-seconds used and held."""
+        end, ran = _now() if end is None else end, [j for j in jobs if j.started is not None]
+        used = sum(_job_cores(j) * ((j.ended or end) - j.started) for j in ran)
+        held = sum(_cores_of(w.total) * ((left or end) - joined)
+                   for w, joined, left in self.workers)
+        return {"jobs": len(ran), "done": sum(j.state == "done" for j in ran),
+                "failed": sum(j.state == "failed" for j in ran), "used": used, "held": held}
+
+    def summary(self, jobs):
+        t = self.totals(jobs)
+        share = f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%})" \
+            if t["held"] else ""
+        return f"{t['jobs']} jobs, {t['used'] / 3600:.3g} core-hours used{share}"
+
+    def write_html(self, path, jobs, title="grain mission"):
+        """The mission report (see the section) to ``path``."""
+        end = _now()
+        ran = [j for j in jobs if j.started is not None]
+        t0 = min([self.t0] + [j.started for j in ran])
+        span = max(end - t0, 1e-3)
+        x = REPORT_WIDTH / span
+        text = _report_html(self, ran, t0, end, x, title)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
+class ProgressLine:
+    """A mission's one status line, at the bottom of its terminal, redrawn at most twice a
+    second: jobs done of those submitted, running, queued, failed (by class), workers and
+    cores busy, elapsed and the time left at the rate so far. Whatever else is written
+    there (print, grain's log) clears it first, so lines never mix; it comes back at the
+    next redraw, once that output has ended its line."""
+
+    def __init__(self, executor, stream):
+        self.executor, self.stream = executor, stream
+        self.shown = False
+        self.partial = False   # others wrote half a line: do not draw over it
+        self.t0 = _now()
+
+    @staticmethod
+    def wanted(stream):
+        """On a terminal, and only when grain configured logging (not the application)."""
+        return (stream.isatty() and not logging.getLogger().handlers and
+                all(getattr(h, "grain_default", False) for h in log.handlers))
+
+    def text(self):
+        exer = self.executor
+        counts, sched = exer.tally.counts, exer.scheduler
+        done, failed, total = counts["done"], counts["failed"], len(exer._jobs)
+        busy = held = 0
+        for w in sched.workers:
+            free, all_ = w.res.stat().get("Cores", (0, 0)), w.total.stat().get("Cores", (0, 0))
+            busy, held = busy + all_[1] - free[0], held + all_[1]
+        elapsed = _now() - self.t0
+        ended = done + failed
+        left = f" (~{format_walltime((total - ended) * elapsed / ended)} left)" \
+            if ended and total > ended else ""
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(exer.tally.failed_by_class.items()))
+        return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, "
+                f"{sched.statistics().running} running, {sched.n_queued} queued, {failed} "
+                f"failed{f' ({why})' if why else ''} | {busy}/{held} cores busy on "
+                f"{len(sched.workers)} worker(s)")
+
+    def clear(self):
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.shown = False
+
+    def close(self):
+        self.clear()
+        self.partial = True  # nothing drawn from now on
+
+    def draw(self):
+        if not self.partial:
+            import shutil
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r\x1b[K" + self.text()[:width])
+            self.stream.flush()
+            self.shown = True
+
+    async def run(self):
+        while True:
+            self.draw()
+            await trio.sleep(0.5)
+
+
+class _UnderStatus:
+    """Stands for stdout or stderr while a status line is shown: clears it first."""
+
+    def __init__(self, line, default):
+        self._line, self._default = line, default
+
+    def write(self, text):
+        self._line.clear()
+        self._line.partial = bool(text) and not text.endswith("\n")
+        return self._default.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._default, name)
+
+
+def start_progress(executor, stack, nursery):
+    """Show the mission's status line (ProgressLine) while ``stack`` is open, if wanted."""
+    stream = sys.stderr
+    if not ProgressLine.wanted(stream):
+        return
+    line = ProgressLine(executor, stream)
+    for handler in log.handlers:  # grain's own log goes through the stand-in too
+        stack.callback(handler.setStream, handler.setStream(_UnderStatus(line, stream)))
+    stack.enter_context(contextlib.redirect_stdout(_UnderStatus(line, sys.stdout)))
+    stack.enter_context(contextlib.redirect_stderr(_UnderStatus(line, stream)))
+    stack.callback(line.close)
+    nursery.start_soon(line.run)
+
+
+def _colour(name):
+    import zlib
+    return f"hsl({zlib.crc32(name.encode()) % 360},60%,55%)"
+
+
+def _report_rows(record, ran):
+    """``[(worker name, core id)]`` from top to bottom, and each (worker, core)'s row."""
+    rows, where = [], {}
+    for w, _, _ in record.workers:
+        c = _part(w.total, "Cores")
+        for core in (c.c if c is not None else []):
+            where[(id(w), core)] = len(rows)
+            rows.append((w.name, core))
+    for j in ran:  # jobs whose worker held no cores (a head daemon's, as a mission sees it)
+        if _cores_of(j.alloc) == 0 and (id(j.worker), None) not in where:
+            where[(id(j.worker), None)] = len(rows)
+            rows.append((getattr(j.worker, "name", "?"), None))
+    return rows, where
+
+
+def _report_bars(ran, where, t0, end, x, h):
+    """SVG rects: a bar per job and core run; merged when there are too many."""
+    import html
+    per_row = {}
+    for j in ran:
+        c = _part(j.alloc, "Cores")
+        for core in (c.c if c is not None and c.N else [None]):
+            row = where.get((id(j.worker), core))
+            if row is not None:
+                per_row.setdefault(row, []).append(j)
+    merge = sum(len(v) for v in per_row.values()) > REPORT_MAX_BARS
+    out = []
+    for row, js in per_row.items():
+        js.sort(key=lambda j: j.started)
+        i = 0
+        while i < len(js):
+            first, k = js[i], i + 1
+            stop = first.ended or end
+            while merge and k < len(js) and (js[k].started - stop) * x < 1:
+                stop = max(stop, js[k].ended or end)
+                k += 1
+            x0, w = (first.started - t0) * x, max((stop - first.started) * x, 0.5)
+            name = _callable_name(first.fn) if first.fn is not None else "?"
+            if k - i > 1:
+                label, cls = f"{k - i} jobs from {name}", "jobs"
+            else:
+                label = f"{first.name}: {stop - first.started:.2f} s"
+                cls = "job failed" if first.state == "failed" else "job"
+            out.append(f'<rect class="{cls}" x="{x0:.1f}" y="{row * h}" width="{w:.1f}" '
+                       f'height="{max(h - 1, 1)}" fill="{_colour(name)}"><title>'
+                       f'{html.escape(label)}</title></rect>')
+            i = k
+    return out
+
+
+def _report_use(record, ran, t0, end, x):
+    """Two step lines: cores busy with jobs, and cores held by workers, over time."""
+    steps = [(j.started, _job_cores(j), 0) for j in ran] + \
+        [(j.ended or end, -_job_cores(j), 0) for j in ran] + \
+        [(joined, _cores_of(w.total), 1) for w, joined, _ in record.workers] + \
+        [(left or end, -_cores_of(w.total), 1) for w, _, left in record.workers]
+    steps.sort(key=lambda s: s[0])
+    level, points, top = [0, 0], ([], []), 1
+    for t, d, kind in steps:  # a step at each pixel where the level changed
+        px = round((t - t0) * x, 1)
+        if points[kind] and points[kind][-1][0] == px:
+            points[kind].pop()
+        else:
+            points[kind].append((px, level[kind]))
+        level[kind] += d
+        points[kind].append((px, level[kind]))
+        top = max(top, level[kind])
+    return points, top
+
+
+def _report_html(record, ran, t0, end, x, title):
+    import html
+    t = record.totals(ran, end)
+    rows, where = _report_rows(record, ran)
+    h = 10 if len(rows) <= 60 else max(1, 600 // len(rows))
+    bars = _report_bars(ran, where, t0, end, x, h)
+    (busy, held), top = _report_use(record, ran, t0, end, x)
+
+    def line(points, cls):
+        pts = " ".join(f"{px},{120 - 110 * v / top:.1f}" for px, v in points)
+        return f'<polyline class="{cls}" points="{pts}"/>'
+
+    labels, last = [], None
+    for i, (name, core) in enumerate(rows):
+        if name != last:
+            labels.append(f'<text x="-4" y="{i * h + 8}">{html.escape(name)}</text>')
+            last = name
+    slow = sorted((j for j in ran if j.ended), key=lambda j: j.started - j.ended)[:10]
+    failed = [j for j in ran if j.state == "failed"][:50]
+    use = f"{t['used'] / t['held']:.0%}" if t["held"] else "unknown (the head daemon's)"
+    cells = [("jobs", t["jobs"]), ("done", t["done"]), ("failed", t["failed"]),
+             ("wall time", f"{end - t0:.1f} s" if end - t0 < 60 else
+              format_walltime(end - t0)),
+             ("core-hours allocated", f"{t['held'] / 3600:.3g}"),
+             ("core-hours used by jobs", f"{t['used'] / 3600:.3g}"), ("utilization", use)]
+    esc = html.escape
+    return "\n".join([
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title><style>",
+        "body{font:14px sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
+        "td,th{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd}"
+        "svg text{font:10px sans-serif;text-anchor:end}"
+        ".failed{stroke:#c00;stroke-width:1}.busy{fill:none;stroke:#2a7}"
+        ".held{fill:none;stroke:#888;stroke-dasharray:4 2}", "</style></head><body>",
+        f"<h1>{esc(title)}</h1><table>" +
+        "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in cells) + "</table>",
+        f"<h2>Jobs on each worker's cores</h2><svg class='timeline' width="
+        f"'{REPORT_WIDTH + 120}' height='{len(rows) * h + 10}'><g transform="
+        f"'translate(110,0)'>", *labels, *bars, "</g></svg>",
+        f"<h2>Cores busy (green) and held (grey), up to {top}</h2><svg width="
+        f"'{REPORT_WIDTH + 120}' height='125'><g transform='translate(110,0)'>",
+        line(held, "held"), line(busy, "busy"), "</g></svg>",
+        "<h2>Slowest jobs</h2><table><tr><th>job</th><th>seconds</th><th>worker</th></tr>" +
+        "".join(f"<tr><td>{esc(j.name)}</td><td>{j.ended - j.started:.2f}</td><td>"
+                f"{esc(getattr(j.worker, 'name', '?'))}</td></tr>" for j in slow) + "</table>",
+        f"<h2>Failures ({t['failed']})</h2><table><tr><th>job</th><th>class</th>"
+        "<th>attempts</th><th>error</th></tr>" +
+        "".join(f"<tr><td>{esc(j.name)}</td><td>{esc(str(j.kind))}</td><td>{j.attempts}"
+                f"</td><td>{esc(type(j.error).__name__)}: {esc(str(j.error))[:300]}</td></tr>"
+                for j in failed) + "</table>", "</body></html>"])
+
+
+###############################################################################
 # Executor ####################################################################
 ###############################################################################
 # A mission's engine: it takes jobs (submit), runs those without resources here at once
@@ -4877,7 +5231,8 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "duration", "payload", "queue", "ref", "wire")
+                 "duration", "payload", "queue", "ref", "wire", "submitted", "started",
+                 "ended", "kind")
 
     def __init__(self, jid, req, fn, args, kwargs, queue=None):
         self.id = jid
@@ -4902,6 +5257,8 @@ class Job:
         self._event = None
         self.duration = None
         self.payload = None
+        self.submitted = self.started = self.ended = None  # times, on the head's clock
+        self.kind = None       # its failure class, when it failed
 
     @property
     def name(self):
@@ -4933,6 +5290,20 @@ class Job:
 
     def __repr__(self):
         return f"<Job {self.name} {self.req!r} {self.state}>"
+
+
+class BurstClock:
+    """trio's clock to the millisecond: the jobs submitted in one burst share one float
+    (24 bytes a queued job fewer)."""
+
+    def __init__(self):
+        self.last = -math.inf
+
+    def __call__(self):
+        now = trio.current_time()
+        if now - self.last > 1e-3:
+            self.last = now
+        return self.last
 
 
 class Tally:
@@ -5027,6 +5398,16 @@ class MissionSetup:
     backendless: tuple = ()        # (module, resources) of backendless specialized workers
 
 
+async def _enter_backendless(stack, module, res):
+    """Start a backendless specialized worker in this process, for as long as ``stack`` is
+    open: (name, GVAR.context, resources)."""
+    info = dict(await stack.enter_async_context(module.grain_run_sworker()))
+    name = info.pop("name", None) or module.__name__
+    value = await stack.enter_async_context(module.grain_context(**info))
+    log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
+    return name, value, res
+
+
 class GrainExecutor:
     """Runs jobs where the resources they request fit (see Scheduler for the policy), and
     collects their results. Jobs that request nothing (``ZERO``) skip the queue and run at
@@ -5055,8 +5436,8 @@ class GrainExecutor:
 
     def __init__(self, waddrs=(), rpw=None, *, temporary_err=(), max_retries=MAX_RETRIES,
                  name="local", listen=None, key=None, max_frame=MAX_FRAME, mission=None,
-                 results=None, rerun_failed=True, nolocal=False, reschedule=True,
-                 persistent=True, **no_effect):
+                 results=None, rerun_failed=True, report=None, progress=None, nolocal=False,
+                 reschedule=True, persistent=True, **no_effect):
         if isinstance(waddrs, Resource):  # grain.py's GrainExecutor(rpw) (upstream: waddrs first)
             waddrs, rpw = (), waddrs
         if rpw is not None and not isinstance(rpw, Resource):
@@ -5083,7 +5464,9 @@ class GrainExecutor:
         self._remote = bool(listen or waddrs or self._link)
         self.service = None       # the HeadService, while it runs
         self.stored = MissionResults(results, rerun_failed) if results else None  # the store
+        self.report, self.progress = report, progress  # an HTML file; the status line
         self._jobs = []           # every job, in submission order
+        self._submit_time = BurstClock()
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
@@ -5120,6 +5503,7 @@ class GrainExecutor:
         # One shared empty mapping for the many jobs without keyword arguments: an empty
         # dict each is a quarter of a queued job's memory.
         job = Job(next(self._ids), res, fn, args, kwargs or NO_KWARGS, self._main_queue)
+        job.submitted = self._submit_time()
         if self._remote and res is not ZERO:
             self._prepare_payload(job)
         self._jobs.append(job)
@@ -5131,6 +5515,7 @@ class GrainExecutor:
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
         (delayed calls whose arguments are still pending). A failure to resolve fails the job."""
         job = Job(next(self._ids), res, fn, None, None, self._main_queue)
+        job.submitted = self._submit_time()
         self._jobs.append(job)
         self._outstanding += 1
 
@@ -5181,11 +5566,13 @@ class GrainExecutor:
     # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
         self.scheduler.add_worker(worker)
+        self.record.joined(worker)
         self._workers_changed.set()
         self._workers_changed = trio.Event()
 
     def remove_worker(self, worker):
         self.scheduler.remove_worker(worker)
+        self.record.left(worker)
 
     def add_local_worker(self, res, name):
         """One more in-process worker, holding ``res``."""
@@ -5254,7 +5641,8 @@ class GrainExecutor:
         else:
             self.retries.note(job, error, kind)
             job.error, job.state = error, "failed"
-            kind = kind or failure_class(error)
+            job.kind = kind = kind or failure_class(error)
+        job.ended = trio.current_time()
         if self.stored is not None and job.attempts and type(job.wire) is str:
             self.stored.record(job, value, error, kind)
         self.tally.ended(job.state, kind)
@@ -5328,9 +5716,10 @@ class GrainExecutor:
         m = self.mission
         output = self._stack.enter_context(_routed_job_output(m.job_log))
         context = await self._stack.enter_async_context(m.context()) if m.context else None
-        backendless = [await self._enter_backendless(module, res)
+        backendless = [await _enter_backendless(self._stack, module, res)
                        for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
+        self.record = MissionRecord()
         self.reunion = Reunion(self._deliver)
         self._nursery.start_soon(self.reunion.run, self._queue)
         rt = _RUNTIME.get()
@@ -5348,6 +5737,8 @@ class GrainExecutor:
         for name, value, res in backendless:
             self.add_worker(LocalWorker(self, res, name, self._nursery, value))
         self._nursery.start_soon(self._watch_stuck)
+        if self.progress is not False:
+            start_progress(self, self._stack, self._nursery)
         if self.stored is not None:
             self._nursery.start_soon(self.stored.keep)
         if self._remote and self.key is None:
@@ -5365,14 +5756,6 @@ class GrainExecutor:
                 log.warning("%s; this mission runs without accepting workers", e)
         for url in self.waddrs:
             self._nursery.start_soon(self.service.dial_passive, url, self.rpw)
-
-    async def _enter_backendless(self, module, res):
-        """Start a backendless specialized worker here: (name, GVAR.context, resources)."""
-        info = dict(await self._stack.enter_async_context(module.grain_run_sworker()))
-        name = info.pop("name", None) or module.__name__
-        value = await self._stack.enter_async_context(module.grain_context(**info))
-        log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
-        return name, value, res
 
     async def _close(self):
         if self._rt_token is not None:  # before the context modules, which may set it too
@@ -5392,7 +5775,11 @@ class GrainExecutor:
                     await self.service.say_goodbye(abort=etype is not None)
             await self._close()
             self.elapsed = time.perf_counter() - self._t0
-            log.info("Time elapsed for all jobs: %.3fs", self.elapsed)
+            log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
+                     self.record.summary(self._jobs))
+            if self.report:
+                self.record.write_html(self.report, self._jobs,
+                                       f"grain mission {os.path.basename(sys.argv[0])}")
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:
@@ -5595,10 +5982,11 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     own_head = (len(executor_args) > 1 or "rpw" in executor_kwargs or waddrs
                 or not head.gnaw_enabled or worker.specialized_type)
     key = load_auth_key(head.auth_key or None) if (address or waddrs) else None
-    if head.results and "results" not in executor_kwargs:  # beside the mission's script
-        main_file = os.path.abspath(sys.argv[0] or ".")
-        where = os.path.dirname(main_file) if os.path.isfile(main_file) else os.getcwd()
-        executor_kwargs["results"] = os.path.join(where, head.results)
+    main_file = os.path.abspath(sys.argv[0] or ".")
+    here = os.path.dirname(main_file) if os.path.isfile(main_file) else os.getcwd()
+    for option in ("results", "report"):  # files beside the mission's script
+        if getattr(head, option) and option not in executor_kwargs:
+            executor_kwargs[option] = os.path.join(here, getattr(head, option))
     if may_attach and address and not own_head:
         config = ["-c", cfg.path] if cfg.path else ["--no-config"]
         log_file = os.path.abspath(_stamp(head.daemon_log, time.time()))
@@ -7154,6 +7542,12 @@ async def cli_request(address, key, *msg):
     return None
 
 
+def format_waiting(waiting, blocked=False):
+    """A line per waiting job of explain() (``blocked``: only those that wait for a while)."""
+    return [f"{w['job']} of {w['queue']}, waiting {format_walltime(w['waited'])}: "
+            f"{w['reason']}" for w in waiting if w["waited"] > 0 or not blocked]
+
+
 def format_ls(stats):
     """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
     gpus = any(w.get("gpus", (0, 0))[1] for w in stats["workers"])  # a column if any
@@ -7188,6 +7582,7 @@ def format_ls(stats):
                  f"{by_class(stats['retried_by_class'])}")
     if stats["next"]:
         lines.append(f"next pending job requests {stats['next']}")
+    lines += [f"  {line}" for line in format_waiting(stats.get("waiting", ()), blocked=True)]
     if "missions" in stats:
         lines += ["", f"missions: {len(stats['missions'])} attached"]
         for m in stats["missions"]:
@@ -7265,7 +7660,12 @@ _COMMAND_LINE = [
         (("--reattach",), dict(metavar="DURATION", help="when the head is lost, keep running "
                                "its jobs this long for a new head, e.g. 10m, 0 to leave at "
                                "once (default: worker.reattach, 10m)"))]),
-    ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, []),
+    ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, [
+        (("--watch",), dict(nargs="?", const=2.0, type=float, metavar="SECONDS",
+                            help="show it again every SECONDS (default 2), in place")),
+        (("--json",), dict(action="store_true", help="print the same facts as JSON (see "
+                           "the README for its fields)"))]),
+    ("explain", "say why the oldest waiting job of each mission does not run", _AT_HEAD, []),
     ("quit", "make workers leave (after their jobs, or now with -f)", _AT_HEAD, [
         (("pattern",), dict(help="a glob over worker names, e.g. 'node1*'")),
         (("-f", "--force"), dict(action="store_true", help="leave now; their running jobs "
@@ -7355,16 +7755,25 @@ def _cli_target(args):
     return s, args.address or s.cli_dial, load_auth_key(args.key or s.auth_key or None)
 
 
-def format_jobs(book, s, joined):
-    """Lines about submitted batch jobs whose worker has not joined (yet)."""
+def submitted_jobs(book, s, joined):
+    """The batch jobs grain submitted whose worker has not joined (yet), each a dict of
+    id, name, log and state (asked of the batch system)."""
     records = [r for r in book.waiting() if r["id"] not in joined]
     if not records:
         return []
     states = batch_states(s.system or records[0].get("system"), [r["id"] for r in records],
                           s.custom_system)
+    return [{"id": r["id"], "name": r["name"], "log": r["log"], "state": states[r["id"]]}
+            for r in records]
+
+
+def format_jobs(records):
+    """Lines about submitted batch jobs whose worker has not joined (submitted_jobs)."""
+    if not records:
+        return []
     lines = ["", "submitted, not joined:"]
     for r in records:
-        state = states[r["id"]]
+        state = r["state"]
         if state == UNKNOWN:
             lines.append(f"  job {r['id']} ({r['name']}): state unknown (the batch system did "
                          "not answer)")
@@ -7410,15 +7819,56 @@ def _cmd_at_head(args):
     return 0
 
 
+def _ls_frame(s, address, key, as_json):
+    """``(text, ok)``: what `ls` shows now (``ok``: a head answered)."""
+    stats = trio.run(cli_request, address, key, "stats")
+    joined = set(stats["joined_job_ids"]) if stats else set()
+    submitted = submitted_jobs(JobBook(address), s, joined)
+    if as_json:
+        return json.dumps(dict(stats or {}, head=stats is not None, address=address,
+                               submitted=submitted), indent=1, default=str), stats is not None
+    if stats is None:
+        return "\n".join(format_jobs(submitted)[1:] +
+                         [f"no head is listening at {address}"]), False
+    return "\n".join([format_ls(stats)] + format_jobs(submitted)), True
+
+
 def _cmd_ls(args):
     s, address, key = _cli_target(args)
+    if args.watch is None:
+        text, ok = _ls_frame(s, address, key, args.json)
+        if not ok and not args.json:
+            before, _, last = text.rpartition("\n")
+            if before:
+                print(before)
+            raise GrainError(last)
+        print(text)
+        return 0 if ok else 1
+    if args.watch <= 0:
+        raise UsageError(f"--watch takes a number of seconds above 0, got {args.watch:g}")
+    redraw = "\x1b[H\x1b[J" if sys.stdout.isatty() else ""  # home, clear: in place
+    try:
+        while True:
+            text, _ = _ls_frame(s, address, key, args.json)
+            stamp = time.strftime("%H:%M:%S")
+            sys.stdout.write(f"{redraw}{text}\n" if args.json else
+                             f"{redraw}{address} at {stamp} (every {args.watch:g} s; Ctrl-C "
+                             f"ends)\n{text}\n{'' if redraw else chr(10)}")
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _cmd_explain(args):
+    s, address, key = _cli_target(args)
     stats = trio.run(cli_request, address, key, "stats")
-    jobs = format_jobs(JobBook(address), s, set(stats["joined_job_ids"]) if stats else set())
     if stats is None:
-        if jobs:
-            print("\n".join(jobs[1:]))
         raise GrainError(f"no head is listening at {address}")
-    print("\n".join([format_ls(stats)] + jobs))
+    lines = format_waiting(stats.get("waiting", ())) or ["no job is waiting"]
+    if not stats["workers"]:  # what the submitted worker jobs are doing
+        lines += format_jobs(submitted_jobs(JobBook(address), s, set()))
+    print("\n".join(lines))
     return 0
 
 
@@ -7536,7 +7986,8 @@ def _cmd_pack(args):
 
 _COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_at_head,
              "up": _cmd_up, "down": _cmd_down, "start": _cmd_start, "head": _cmd_head,
-             "stop": _cmd_at_head, "scale": _cmd_at_head, "results": _cmd_results}
+             "stop": _cmd_at_head, "scale": _cmd_at_head, "results": _cmd_results,
+             "explain": _cmd_explain}
 
 
 def main(argv=None):

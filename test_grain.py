@@ -2289,8 +2289,8 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
         assert cp.returncode == 2
         assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
                                     "(known here: address, auth_key, cli_dial, contextmod, " \
-                                    "dial, log_file, name, reattach, res, results, script, " \
-                                    "specialized_type, system)"
+                                    "dial, log_file, name, reattach, report, res, results, " \
+                                    "script, specialized_type, system)"
     cp = run_py(GRAIN, "up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     env = dict(os.environ, GRAIN_CONFIG=str(bad))
@@ -3921,3 +3921,233 @@ def test_a_worker_job_with_script_gpus_offers_the_gpus_slurm_gave_it(tmp_path, s
     finally:
         head.kill()
         head.wait()
+
+
+###############################################################################
+# Seeing what a mission does (issue 16)
+###############################################################################
+
+
+async def _cli(*args):
+    return await trio.to_thread.run_sync(lambda: run_py(GRAIN, *args))
+
+
+NODE_RES = ('{"Cores": {"N": 2}, "Token": {"token": "cpu"}, '
+            '"WTime": {"T": "0:10:00", "countdown": true}}')
+
+
+@trio_test
+async def test_explain_says_why_the_oldest_job_waits_with_real_workers(workers, tmp_path):
+    # no worker yet, then every worker busy (and which job frees first)
+    pidfile = tmp_path / "pids"
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+        url = exer.urls["tcp"]
+        first = exer.submit(Cores(2) & WTime(T=60), pid_then_sleep, str(pidfile), 3)
+        out = (await _cli("explain", "-a", url)).stdout
+        assert "#1 pid_then_sleep of local, waiting" in out and \
+            out.strip().endswith("no worker has joined yet"), out
+        workers.start("--url", url, "--res", NODE_RES, "--oversubscribe", name="node")
+        await exer.wait_for_workers(1)
+        with trio.fail_after(10):
+            while not pidfile.exists():
+                await trio.sleep(0.05)
+        second = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 0)
+        out = (await _cli("explain", "-a", url)).stdout
+        assert "#2 pid_then_sleep of local" in out and "all 1 worker(s) large enough are " \
+            "busy: node (1 running, " in out, out
+        assert re.search(r"the first to free should be #1 pid_then_sleep on node \(running "
+                         r"for 0:00:0\d, its T ends in 0:00:5\d\)", out), out
+        js = _json.loads((await _cli("ls", "--json", "-a", url)).stdout)
+        assert js["head"] and js["workers"][0]["name"] == "node"
+        assert js["workers"][0]["cores"] == [0, 2] and js["queued"] == 1
+        assert js["waiting"][0]["job"] == "#2 pid_then_sleep"
+        assert js["waiting"][0]["reason"].startswith("all 1 worker(s) large enough are busy")
+        await first
+        await second
+    # a token no worker holds; less walltime left than the job's softT; too large
+    for request, reason in [
+            (Cores(1) & Token("gpu"), "its token 'gpu' matches no worker (their tokens: cpu)"),
+            (Cores(1) & WTime(T="1:00:00"), "every worker has less walltime left than its "
+                                           "softT 1:00:00: the most is 0:0"),
+            (Cores(4), "no worker is large enough: it asks CPU_Cores([0-3]); the largest is "
+                       "node with CPU_Cores([0-1]) & Token(cpu) & Walltime(")]:
+        with trio.CancelScope() as scope:
+            async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+                node = workers.start("--url", exer.urls["tcp"], "--res", NODE_RES,
+                                     "--oversubscribe", name="node")
+                await exer.wait_for_workers(1)
+                exer.submit(request, pid_then_sleep, str(pidfile), 0)
+                out = (await _cli("explain", "-a", exer.urls["tcp"])).stdout
+                assert reason in out, out
+                scope.cancel()
+        node.kill()
+
+
+def test_explain_names_the_reservation():
+    p = Policy()
+    w = Recorder(Cores([0, 1]), "w")
+    p.sched.add_worker(w)
+    p.push(1, 1)
+    p.push(2, 2)                       # blocked: one core is free
+    p.push(3, 1)                       # backfills it
+    p.now = grain.RESERVE_AFTER_S
+    p.end(3)                           # job 2 has waited long enough: it reserves w
+    (why,) = p.sched.explain()
+    assert why["job"].startswith("#2") and why["waited"] == grain.RESERVE_AFTER_S
+    assert why["reason"] == (f"it waited over {grain.RESERVE_AFTER_S:g} s and holds worker w: "
+                             "nothing else starts there until it fits (w has CPU_Cores([1]) & "
+                             "Walltime(inf) free)")
+
+
+def test_ls_watch_redraws_until_interrupted(tmp_path):
+    p = subprocess.Popen([sys.executable, GRAIN, "ls", "--watch", "0.2", "-a",
+                          "tcp://127.0.0.1:1"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    frames = 0
+    try:
+        for line in p.stdout:
+            frames += "(every 0.2 s; Ctrl-C ends)" in line
+            if frames == 3:
+                break
+    finally:
+        p.send_signal(signal.SIGINT)
+    assert p.wait(10) == 0 and frames == 3
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, GRAIN, "ls", "--watch", "0", "-a", "tcp://x:1"],
+                       check=True, capture_output=True)
+
+
+PROGRESS_MISSION = textwrap.dedent("""
+    import sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def work(i):
+        await trio.sleep(0.15)
+        if i % 10 == 0:
+            print(f"hello {{i}}")
+        return i
+
+    async def main():
+        return await each((work @ Cores(1))(i) for i in range(40))
+
+    print("sum", sum(run(main, local=Cores(4), config_file=False{extra})))
+""")
+
+
+def _run_in_pty(script):
+    import pty
+    main, sub = pty.openpty()
+    p = subprocess.Popen([sys.executable, str(script)], stdout=sub, stderr=sub,
+                         stdin=subprocess.DEVNULL, cwd=HERE,
+                         env=dict(os.environ, COLUMNS="200"))  # a wide terminal
+    os.close(sub)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    assert p.wait(30) == 0, out
+    return out.decode()
+
+
+def test_the_progress_line_shows_true_counts_on_a_terminal_only(tmp_path):
+    script = tmp_path / "mission.py"
+    script.write_text(PROGRESS_MISSION.format(here=HERE, extra=""))
+    out = _run_in_pty(script)
+    status = re.findall(r"\r\x1b\[K(\d+:\d\d:\d\d[^|\r\n]*\| (\d+)/(\d+) done, (\d+) running, "
+                        r"(\d+) queued, (\d+) failed \| (\d+)/4 cores busy on 1 worker\(s\))",
+                        out)
+    assert len(status) >= 2, out
+    for _, done, total, running, queued, failed, busy in status:
+        done, total, running, queued, busy = map(int, (done, total, running, queued, busy))
+        if total:  # (the first redraw may come before the first job)
+            assert total == 40 and done + running + queued == 40 and failed == "0"
+            assert running == busy <= 4
+    # what the jobs print never shares a line with it: it is cleared first
+    for line in out.replace("\r\x1b[K", "\n").splitlines():
+        assert "hello" not in line or re.fullmatch(r"hello \d+\r?", line), line
+    assert "sum 780" in out
+    assert re.search(r"Time elapsed for all jobs: [\d.]+s; 40 jobs, [\d.e-]+ core-hours used "
+                     r"of [\d.e-]+ allocated \(\d+%\)", out)
+    # off with progress=False, and off when the output is not a terminal
+    script.write_text(PROGRESS_MISSION.format(here=HERE, extra=", progress=False"))
+    assert "\x1b[K" not in _run_in_pty(script)
+    script.write_text(PROGRESS_MISSION.format(here=HERE, extra=""))
+    piped = run_py(str(script))
+    assert piped.returncode == 0 and "\x1b[K" not in piped.stdout + piped.stderr
+    assert "done," not in piped.stderr
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+REPORT_MISSION = textwrap.dedent("""
+    import sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, run
+    from grain.resource import Cores
+
+    @delayed
+    async def work(i):
+        await trio.sleep({seconds} * (1 + i % 3))
+        if i % 7 == 3:
+            raise ValueError(f"bad input {{i}}")
+        return i
+
+    async def main():
+        jobs = [(work @ Cores(1))(i) for i in range({n})]
+        for job in jobs:
+            try:
+                await job
+            except ValueError:
+                pass
+
+    run(main, local=Cores(4), config_file=False, report={report!r}, progress=False)
+""")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Chromium (CI installs Debian's)")
+def test_the_mission_report_renders_in_a_real_browser(tmp_path):
+    report = tmp_path / "mission.html"
+    script = tmp_path / "mission.py"
+    script.write_text(REPORT_MISSION.format(here=HERE, n=30, seconds=0.02, report=str(report)))
+    cp = run_py(str(script))
+    assert cp.returncode == 0, cp.stderr
+    page = report.read_text()
+    assert "<script" not in page and "http" not in page.split("<body>")[1]  # self-contained
+    browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+               "--enable-logging=stderr", "--v=0", f"file://{report}"]
+    dom = subprocess.run(browser[:-1] + ["--dump-dom", browser[-1]], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr
+    bars = re.findall(r'<rect class="job( failed)?"', dom.stdout)
+    assert len(bars) == 30 and sum(1 for b in bars if b) == 4   # 3, 10, 17 and 24 failed
+    assert "ValueError: bad input 10" in dom.stdout and ">30<" in dom.stdout
+    assert "CONSOLE" not in dom.stderr and "Uncaught" not in dom.stderr, dom.stderr
+    shot = subprocess.run(browser[:-1] + [f"--screenshot={tmp_path / 'report.png'}",
+                                          "--window-size=1200,900", browser[-1]],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.returncode == 0 and (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_report_of_ten_thousand_jobs_stays_readable(tmp_path):
+    report = tmp_path / "big.html"
+    script = tmp_path / "mission.py"
+    script.write_text(REPORT_MISSION.format(here=HERE, n=10_000, seconds=0,
+                                            report=str(report)))
+    cp = run_py(str(script), timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    page = report.read_text()
+    single = len(re.findall(r'<rect class="job', page))
+    merged = len(re.findall(r'<rect class="jobs"', page))
+    assert merged and single + merged <= grain.REPORT_MAX_BARS   # bars thinner than a pixel
+    assert len(page) < 2_000_000 and ">10000<" in page           # merge
