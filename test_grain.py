@@ -26,9 +26,12 @@ import trio.testing
 
 # Missions listen on ~/.local/share/edge-file-default and keep their key in
 # ~/.local/share/grain: give the whole test run (and its child processes) a home of its own.
+import atexit
+import shutil
 import tempfile
 
 os.environ["HOME"] = tempfile.mkdtemp(prefix="grain-test-home-")
+atexit.register(shutil.rmtree, os.environ["HOME"], ignore_errors=True)
 
 import grain
 
@@ -2514,6 +2517,10 @@ def test_the_mission_head_reports_a_job_that_never_joins(tmp_path, slurm_cleanup
         (job,) = re.findall(r"submitted worker job (\S+) ", up.stdout)
         said = f"batch job {job} (grain-worker) ended without its worker ever joining"
         wait_for(lambda: said in log.read_text(), 60, "the head's report")
+        # explain: the mission's jobs wait for a worker, and what became of the one submitted
+        out = grain_cli("explain", "-c", str(cfg), cwd=tmp_path).stdout
+        assert "no worker has joined yet" in out, out
+        assert f"job {job} (grain-worker): ENDED WITHOUT ITS WORKER EVER JOINING" in out
     finally:
         head.kill()
         head.wait()
