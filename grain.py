@@ -3384,11 +3384,17 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
 # function's code and the code and plain values that code uses, its arguments, its
 # request but for time limits -- so a mission run again takes the stored value instead
 # of running the job. Results are written in batches, one transaction every
-# STORE_FLUSH_S: a `kill -9` loses at most that window, and SQLite's journal never lets
-# it corrupt the file. One mission writes a store at a time: a holder file beside it
-# (created atomically, refreshed every STORE_BEAT_S) names the mission that holds it.
+# STORE_FLUSH_S, by a writer process (below): a `kill -9` loses at most that window,
+# and SQLite's journal never lets it corrupt the file. One mission writes a store at a
+# time: a holder file beside it (created atomically, refreshed every STORE_BEAT_S) names
+# the mission that holds it.
+# The table is a log: a job's newest row (largest rowid) is its entry. Appending costs
+# half of updating a table kept sorted by key, and stays flat as the store grows; the
+# rows a later one replaced are dropped when the mission closes the store.
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 1: one row per key (WITHOUT ROWID), read and converted on opening
+_STORE_TABLE = ("CREATE TABLE IF NOT EXISTS results (key TEXT, function TEXT, state TEXT, "
+                "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL)")
 _LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
 
 
@@ -3491,6 +3497,35 @@ def job_key(fn_digest, args, kwargs, req):
     return hashlib.sha256(fn_digest + data + _request_key(req)).hexdigest()[:40]
 
 
+_STORE_INSERT = ("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
+                 "(julianday('now') - 2440587.5) * 86400.0)")     # in Unix time, by SQLite
+
+# The store's writer: a process of its own, so that inserting rows and waiting for the
+# disk never take the event loop's time. (A thread could not: it needs the interpreter
+# back after every statement, and a busy loop held it for a quarter of a second at a time,
+# putting the writes seconds behind.) It reads batches of rows (8-byte size, pickle),
+# commits each and answers one byte; at the end of its input it leaves, so rows sent
+# before the mission died are written. A batch cut short is not written: the mission did
+# not see it acknowledged and writes it itself.
+_STORE_WRITER = """
+import pickle, sqlite3, struct, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
+db.execute("PRAGMA synchronous=FULL")
+read = sys.stdin.buffer.read
+while True:
+    head = read(8)
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    batch = read(size) if size >= 0 else b""
+    if size < 0 or len(batch) < size:
+        break
+    with db:
+        db.execute("BEGIN")
+        db.executemany(sys.argv[2], pickle.loads(batch))
+    sys.stdout.buffer.write(b".")
+    sys.stdout.buffer.flush()
+"""
+
+
 class ResultStore:
     """The results of a mission's jobs, by key, in an SQLite file (see the section)."""
 
@@ -3498,11 +3533,13 @@ class ResultStore:
         self.path = os.path.abspath(path)
         self.holder = self.path + ".holder"
         self.states = {}     # key -> "done" | "failed" | "running", as stored
+        self._rowids = {}    # key -> the rowid of its entry, as found on opening
         self._pending = []   # rows written at the next flush()
+        self._replaced = 0   # rows a later one replaced: dropped on closing
         self._db = None
+        self._writer = None  # (process, its input, its output) while it writes
         self.held = False
-        self._lock = threading.Lock()     # the database, between threads
-        self._pending_lock = threading.Lock()  # _pending (held a moment: record() waits)
+        self._lock = threading.Lock()  # the database, between threads
 
     # -- opening and holding -------------------------------------------------------
     def open(self, hold=True):
@@ -3523,19 +3560,42 @@ class ResultStore:
                 # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
-                self._db.execute("CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY "
-                                 "KEY, function TEXT, state TEXT, value BLOB, error TEXT, "
-                                 "kind TEXT, duration REAL, finished REAL) WITHOUT ROWID")
-                self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, "
-                                 "v TEXT)")
-                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
-                                 (str(STORE_FORMAT),))
-            self.states = dict(self._db.execute("SELECT key, state FROM results"))
+                self._create_or_convert()
+            if self._format() != str(STORE_FORMAT):
+                raise GrainError(f"results store {self.path} is of format {self._format()} "
+                                 f"(this grain.py reads {STORE_FORMAT}; a mission run with "
+                                 "it converts an older one)")
+            for key, state, rowid in self._db.execute(
+                    "SELECT key, state, rowid FROM results ORDER BY rowid"):
+                self._replaced += key in self.states
+                self.states[key], self._rowids[key] = state, rowid
+        except GrainError:
+            self.close()
+            raise
         except sqlite3.DatabaseError as e:
             self.close()
             raise GrainError(f"results store {self.path} cannot be read ({e}); move it away "
                              "to start a new one") from None
         return self
+
+    def _format(self):
+        (found,) = self._db.execute("SELECT v FROM meta WHERE k = 'format'").fetchone()
+        return found
+
+    def _create_or_convert(self):
+        self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
+                             (str(STORE_FORMAT),))
+            if self._format() == "1":  # a table kept by key: copy it into a log
+                self._db.execute("ALTER TABLE results RENAME TO results_v1")
+                self._db.execute(_STORE_TABLE)
+                self._db.execute("INSERT INTO results SELECT * FROM results_v1")
+                self._db.execute("DROP TABLE results_v1")
+                self._db.execute("UPDATE meta SET v = ? WHERE k = 'format'",
+                                 (str(STORE_FORMAT),))
+            self._db.execute(_STORE_TABLE)
 
     def _take_hold(self):
         me = {"host": hostname(), "pid": os.getpid(), "since": time.time()}
@@ -3577,8 +3637,11 @@ class ResultStore:
             os.utime(self.holder)
 
     def close(self):
+        self.stop_writer()
         if self._db is not None:
             self.flush()
+            if self.held and self._replaced:
+                self._drop_replaced()
             self._db.close()
             self._db = None
         if self.held:
@@ -3586,42 +3649,118 @@ class ResultStore:
             with contextlib.suppress(OSError):
                 os.unlink(self.holder)
 
+    def _drop_replaced(self):
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM results WHERE rowid NOT IN (SELECT MAX(rowid) "
+                             "FROM results GROUP BY key)")
+        self._replaced = 0
+
     # -- reading and writing -------------------------------------------------------
     def fetch(self, key):
         """``(state, value bytes, error text, kind)`` stored for ``key``."""
+        rowid = self._rowids.get(key)
         with self._lock:
-            return self._db.execute("SELECT state, value, error, kind FROM results "
-                                    "WHERE key = ?", (key,)).fetchone()
+            if rowid is not None:  # (a key found on opening: the common case, fast)
+                return self._db.execute("SELECT state, value, error, kind FROM results "
+                                        "WHERE rowid = ?", (rowid,)).fetchone()
+            return self._db.execute("SELECT state, value, error, kind FROM results WHERE "
+                                    "key = ? ORDER BY rowid DESC LIMIT 1", (key,)).fetchone()
 
     def record(self, key, function, state, value=None, error=None, kind=None,
                duration=None):
-        """Remember a job's state (written at the next flush)."""
+        """Remember a job's state (written after the next ``take``; from the event
+        loop's thread)."""
+        self._replaced += key in self.states
         self.states[key] = state
-        with self._pending_lock:
-            self._pending.append((key, function, state, value, error, kind, duration))
+        self._rowids.pop(key, None)
+        self._pending.append((key, function, state, value, error, kind, duration))
 
-    def flush(self):
-        """Write what was recorded, in one transaction (called from a thread)."""
-        with self._pending_lock:
-            rows, self._pending = self._pending, []
+    def take(self):
+        """The rows recorded since the last ``take``, to ``send``."""
+        rows, self._pending = self._pending, []
+        return rows
+
+    def put_back(self, rows):
+        """Rows taken but maybe not written: ``close`` writes them."""
+        self._pending[:0] = rows
+
+    def write(self, rows):
+        """Append ``rows`` in one transaction, from this process."""
         with self._lock:
             if rows and self._db is not None:
                 with self._db:  # BEGIN ... COMMIT
                     self._db.execute("BEGIN")
-                    self._db.executemany(  # (finished: now, in Unix time, by SQLite)
-                        "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, "
-                        "(julianday('now') - 2440587.5) * 86400.0)", rows)
+                    self._db.executemany(_STORE_INSERT, rows)
+
+    def flush(self):
+        """Write what was recorded, now, from this process."""
+        self.write(self.take())
+
+    def start_writer(self):
+        """Start the writer process (see _STORE_WRITER) that ``send`` gives rows to."""
+        argv = [sys.executable, "-c", _STORE_WRITER, self.path, _STORE_INSERT]
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    start_new_session=True)  # (Ctrl-C: the mission ends it)
+        except OSError as e:
+            log.warning("results store %s: no writer process (%s): the mission writes it "
+                        "itself", self.path, e)
+            return
+        self._writer = (proc, trio.lowlevel.FdStream(os.dup(proc.stdin.fileno())),
+                        trio.lowlevel.FdStream(os.dup(proc.stdout.fileno())))
+
+    @property
+    def writer(self):
+        """The writer process (a ``subprocess.Popen``), None when this process writes."""
+        return self._writer[0] if self._writer is not None else None
+
+    async def send(self, rows):
+        """Have ``rows`` written, by the writer process while it works, else from here."""
+        if not rows:
+            return
+        if self._writer is not None:
+            proc, to_writer, from_writer = self._writer
+            data = pickle.dumps(rows, protocol=4)
+            try:
+                await to_writer.send_all(struct.pack("<Q", len(data)) + data)
+                if await from_writer.receive_some(1) == b".":
+                    return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            self.stop_writer()
+            log.warning("the writer of results store %s ended (exit status %s): the "
+                        "mission writes it itself", self.path, proc.returncode)
+        await trio.to_thread.run_sync(self.write, rows)
+
+    def stop_writer(self):
+        """Close the writer's input and wait for it to write what it has and leave."""
+        if self._writer is None:
+            return
+        proc, to_writer, from_writer = self._writer
+        self._writer = None
+        for stream in (to_writer, from_writer, proc.stdin, proc.stdout):
+            stream.close()
+        try:
+            proc.wait(timeout=STORE_STALE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def summary(self):
-        """``[(function, state, count)]`` and the file's size in bytes."""
-        rows = self._db.execute("SELECT function, state, COUNT(*) FROM results "
-                                "GROUP BY function, state ORDER BY function, state")
+        """``[(function, state, count)]`` of the entries, and the file's size in bytes."""
+        rows = self._db.execute(
+            "SELECT function, state, COUNT(*) FROM results WHERE rowid IN (SELECT "
+            "MAX(rowid) FROM results GROUP BY key) GROUP BY function, state "
+            "ORDER BY function, state")
         return list(rows), os.path.getsize(self.path)
 
     def forget(self, pattern, state=None):
         """Drop the entries of the functions matching the glob ``pattern`` (and ``state``);
         returns how many."""
         self.flush()
+        if self._replaced:  # (then every key has one row)
+            self._drop_replaced()
         names = [n for (n,) in self._db.execute("SELECT DISTINCT function FROM results")
                  if fnmatch.fnmatchcase(n, pattern)]
         dropped = 0
@@ -3706,12 +3845,18 @@ class MissionResults:
     async def keep(self):
         """Write recorded results every STORE_FLUSH_S; say the store is held."""
         beat = trio.current_time()
+        self.store.start_writer()
         while True:
             await trio.sleep(STORE_FLUSH_S)
             sent, self._sent = self._sent, {}
             for wire, fn in sent.items():
                 self.store.record(wire, self._function(fn)[1], "running")
-            await trio.to_thread.run_sync(self.store.flush)
+            rows = self.store.take()
+            try:
+                await self.store.send(rows)
+            except BaseException:  # (cancelled at the end: the store's close writes them)
+                self.store.put_back(rows)
+                raise
             if trio.current_time() - beat > STORE_BEAT_S:
                 beat = trio.current_time()
                 self.store.beat()

@@ -3416,6 +3416,61 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     assert cp.returncode == 2 and "none.db: no such file" in cp.stderr
 
 
+def test_the_store_is_a_log_whose_newest_row_counts_and_an_older_format_is_converted(tmp_path):
+    path = tmp_path / "r.db"
+    store = grain.ResultStore(path).open()
+    store.record("k", "f", "running")
+    store.flush()
+    store.record("k", "f", "done", b"1")
+    store.record("j", "g", "failed", b"e", "ValueError: no", "raised")
+    store.flush()
+    cp = run_py(GRAIN, "results", str(path))  # while held: both rows of k are in the file
+    assert re.search(r"^f\s+done\s+1$", cp.stdout, re.M) and "running" not in cp.stdout
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:  # closing dropped the older row
+        assert db.execute("SELECT key, state FROM results ORDER BY key").fetchall() == \
+            [("j", "failed"), ("k", "done")]
+    # format 1 (one row per key, WITHOUT ROWID), as grain.py wrote it before: converted
+    old = tmp_path / "old.db"
+    with contextlib.closing(sqlite3.connect(old)) as db:
+        db.execute("CREATE TABLE results (key TEXT PRIMARY KEY, function TEXT, state TEXT, "
+                   "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL) "
+                   "WITHOUT ROWID")
+        db.execute("CREATE TABLE meta (k TEXT PRIMARY KEY, v TEXT)")
+        db.execute("INSERT INTO meta VALUES ('format', '1')")
+        db.execute("INSERT INTO results VALUES ('a#0', 'f', 'done', ?, NULL, NULL, 1, 0)",
+                   (grain.dumps_job_value(42, "x"),))
+        db.commit()
+    cp = run_py(GRAIN, "results", str(old))  # read only: says what to do
+    assert cp.returncode != 0 and "is of format 1" in cp.stderr, cp.stderr
+    store = grain.ResultStore(old).open()
+    assert store.states == {"a#0": "done"}
+    assert grain.loads_job_value(store.fetch("a#0")[1]) == 42
+    store.close()
+    cp = run_py(GRAIN, "results", str(old), "--forget", "f")
+    assert cp.returncode == 0 and "forgot 1 entry of 'f'" in cp.stdout, cp.stdout
+
+
+@trio_test
+async def test_the_store_writer_process_writes_and_its_death_costs_no_row(tmp_path):
+    path = tmp_path / "r.db"
+    store = grain.ResultStore(path).open()
+    try:
+        store.start_writer()
+        proc = store.writer
+        await store.send([("a", "f", "done", b"1", None, None, 0.5)])
+        with contextlib.closing(sqlite3.connect(path)) as db:  # acknowledged: in the file
+            assert db.execute("SELECT key FROM results").fetchall() == [("a",)]
+        proc.kill()
+        proc.wait()
+        await store.send([("b", "f", "done", b"2", None, None, 0.5)])  # written from here
+        assert store.writer is None
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            assert [k for (k,) in db.execute("SELECT key FROM results")] == ["a", "b"]
+    finally:
+        store.close()
+
+
 STORE_MISSION = textwrap.dedent("""
     import json, os, sys, time, trio
     sys.path.insert(0, {here!r})

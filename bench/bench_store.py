@@ -1,13 +1,16 @@
 """What a results store costs (issue 14): bench_local.py and bench_remote.py without and
 with --results, alternating, for R rounds; then the head's own per-job work for the store,
-timed alone (keying a job, recording its result, writing it in the batched transaction).
+timed alone (keying a job, recording its result, handing it to the writer process), and
+the writer's work (inserting and committing the rows).
 
     python bench/bench_store.py [--rounds 5] [N]
 
 Prints, for each benchmark, the median tasks/s both ways, the median of the rounds' ratios,
-and the overhead per job (1/with - 1/without, of the medians) in microseconds; the last line is the head's path alone:
-"store X us/job"."""
+and the overhead per job (1/with - 1/without, of the medians) in microseconds; the last
+line is the head's path alone and the writer process's work: "store X us/job on the
+head's path ...; Y us/job in the writer process"."""
 import os
+import pickle
 import re
 import statistics
 import subprocess
@@ -27,7 +30,9 @@ def tasks_per_s(script, n, results):
 
 
 def head_path(n=50_000):
-    """Microseconds per job of MissionResults.known + record + the flush."""
+    """Microseconds per job of MissionResults.known + record + handing the rows to the
+    writer process (pickling them), all on the head's event loop; and of the writer's
+    own work (inserting and committing them), in its process."""
     sys.path.insert(0, ROOT)
     import grain
     from grain.resource import Cores
@@ -45,10 +50,14 @@ def head_path(n=50_000):
         for job in jobs:
             results.known(job)
             results.record(job, job.id, None, None)
-        results.store.flush()
-        dt = time.perf_counter() - t0
+        rows = results.store.take()
+        pickle.dumps(rows, protocol=4)
+        head = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        results.store.write(rows)  # what the writer process does with them
+        writer = time.perf_counter() - t0
         results.store.close()
-    return dt / n * 1e6
+    return head / n * 1e6, writer / n * 1e6
 
 
 if __name__ == "__main__":
@@ -72,4 +81,6 @@ if __name__ == "__main__":
         ratio = statistics.median(w / o for o, w in zip(without, with_))
         print(f"{script}: {a:.0f} tasks/s without a store, {b:.0f} with; with / without "
               f"{ratio:.0%}; {(1 / b - 1 / a) * 1e6:.1f} us per job")
-    print(f"store {head_path():.1f} us/job on the head's path (key, record, write)")
+    head, writer = head_path()
+    print(f"store {head:.1f} us/job on the head's path (key, record, hand to the writer); "
+          f"{writer:.1f} us/job in the writer process (insert, commit)")
