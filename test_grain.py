@@ -4045,6 +4045,31 @@ async def test_explain_says_why_the_oldest_job_waits_with_real_workers(workers, 
         node.kill()
 
 
+@trio_test
+async def test_explain_names_a_reservation_held_on_a_real_worker(workers, tmp_path,
+                                                                 monkeypatch):
+    # the head is this process: its reservation threshold, shortened; the worker is real
+    monkeypatch.setattr(grain, "RESERVE_AFTER_S", 0.2)
+    pidfile = tmp_path / "pids"
+    with trio.CancelScope() as scope:
+        async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+            url = exer.urls["tcp"]
+            workers.start("--url", url, "--res", NODE_RES, "--oversubscribe", name="node")
+            await exer.wait_for_workers(1)
+            short = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 0.5)
+            exer.submit(Cores(2), pid_then_sleep, str(pidfile), 0)   # blocked: 1 core free
+            exer.submit(Cores(1), pid_then_sleep, str(pidfile), 60)  # backfills that core
+            await short  # then the blocked job, waiting for over 0.2 s, reserves node
+            with trio.fail_after(10):
+                while "holds worker node" not in (out := (await _cli(
+                        "explain", "-a", url)).stdout):
+                    await trio.sleep(0.05)
+            assert "#2 pid_then_sleep of local, waiting" in out, out
+            assert "it waited over 0.2 s and holds worker node: nothing else starts there " \
+                "until it fits (node has CPU_Cores([" in out, out
+            scope.cancel()
+
+
 def test_explain_names_the_reservation():
     p = Policy()
     w = Recorder(Cores([0, 1]), "w")
