@@ -3499,12 +3499,13 @@ def job_key(fn_digest, args, kwargs, req):
 
 _STORE_INSERT = ("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
                  "(julianday('now') - 2440587.5) * 86400.0)")     # in Unix time, by SQLite
+_STORE_FIELDS = 7  # the values a row is given
 
 # The store's writer: a process of its own, so that inserting rows and waiting for the
 # disk never take the event loop's time. (A thread could not: it needs the interpreter
 # back after every statement, and a busy loop held it for a quarter of a second at a time,
-# putting the writes seconds behind.) It reads batches of rows (8-byte size, pickle),
-# commits each and answers one byte; at the end of its input it leaves, so rows sent
+# putting the writes seconds behind.) It reads batches of rows (8-byte size, a pickled
+# flat list of their fields), commits each and answers one byte; at the end of its input it leaves, so rows sent
 # before the mission died are written. A batch cut short is not written: the mission did
 # not see it acknowledged and writes it itself.
 _STORE_WRITER = """
@@ -3520,7 +3521,7 @@ while True:
         break
     with db:
         db.execute("BEGIN")
-        db.executemany(sys.argv[2], pickle.loads(batch))
+        db.executemany(sys.argv[2], zip(*[iter(pickle.loads(batch))] * int(sys.argv[3])))
     sys.stdout.buffer.write(b".")
     sys.stdout.buffer.flush()
 """
@@ -3532,9 +3533,13 @@ class ResultStore:
     def __init__(self, path):
         self.path = os.path.abspath(path)
         self.holder = self.path + ".holder"
-        self.states = {}     # key -> "done" | "failed" | "running", as stored
+        # key -> "done" | "failed" | "running": the entries found on opening (the jobs of
+        # this run are not added: a key is asked for once a run, before it is recorded)
+        self.states = {}
         self._rowids = {}    # key -> the rowid of its entry, as found on opening
-        self._pending = []   # rows written at the next flush()
+        # Rows to write, their fields in one flat list (_STORE_FIELDS a row): tuples that
+        # outlive a collection would cost the mission's garbage collector a job's time
+        self._pending = []
         self._replaced = 0   # rows a later one replaced: dropped on closing
         self._db = None
         self._writer = None  # (process, its input, its output) while it writes
@@ -3671,13 +3676,16 @@ class ResultStore:
                duration=None):
         """Remember a job's state (written after the next ``take``; from the event
         loop's thread)."""
-        self._replaced += key in self.states
-        self.states[key] = state
-        self._rowids.pop(key, None)
-        self._pending.append((key, function, state, value, error, kind, duration))
+        if key in self.states:  # an entry found on opening: this row replaces it
+            self._replaced += 1
+            self.states[key] = state
+            self._rowids.pop(key, None)
+        elif state == "running":  # the row of its end will replace this one
+            self._replaced += 1
+        self._pending += (key, function, state, value, error, kind, duration)
 
     def take(self):
-        """The rows recorded since the last ``take``, to ``send``."""
+        """The rows recorded since the last ``take`` (flat), to ``send``."""
         rows, self._pending = self._pending, []
         return rows
 
@@ -3686,12 +3694,12 @@ class ResultStore:
         self._pending[:0] = rows
 
     def write(self, rows):
-        """Append ``rows`` in one transaction, from this process."""
+        """Append ``rows`` (flat) in one transaction, from this process."""
         with self._lock:
             if rows and self._db is not None:
                 with self._db:  # BEGIN ... COMMIT
                     self._db.execute("BEGIN")
-                    self._db.executemany(_STORE_INSERT, rows)
+                    self._db.executemany(_STORE_INSERT, zip(*[iter(rows)] * _STORE_FIELDS))
 
     def flush(self):
         """Write what was recorded, now, from this process."""
@@ -3699,7 +3707,8 @@ class ResultStore:
 
     def start_writer(self):
         """Start the writer process (see _STORE_WRITER) that ``send`` gives rows to."""
-        argv = [sys.executable, "-c", _STORE_WRITER, self.path, _STORE_INSERT]
+        argv = [sys.executable, "-c", _STORE_WRITER, self.path, _STORE_INSERT,
+                str(_STORE_FIELDS)]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     start_new_session=True)  # (Ctrl-C: the mission ends it)
@@ -3797,7 +3806,8 @@ class MissionResults:
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
         "running" when it was running when the last run of this mission ended."""
         try:
-            key = job_key(self._function(job.fn)[0], job.args, job.kwargs, job.req)
+            function = self._functions.get(job.fn) or self._function(job.fn)
+            key = job_key(function[0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(job.fn)
             if name not in self._unkeyable:
@@ -3808,8 +3818,10 @@ class MissionResults:
         # The n-th job of a key in a run is stored as such: a mission that draws 100
         # samples with the same call gets its 100 results back, not one of them 100 times.
         n = self._counts[key] = self._counts.get(key, -1) + 1
-        job.wire = f"{key}#{n}"
-        state = self.store.states.get(job.wire)
+        job.wire = wire = f"{key}#{n}"
+        state = self.store.states.get(wire)
+        if state is None:  # (a new job: the common case)
+            return None
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
         return state if state == "running" else None
@@ -3836,8 +3848,9 @@ class MissionResults:
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
-        self._sent.pop(job.wire, None)
-        self.store.record(job.wire, self._function(job.fn)[1],
+        if self._sent:  # (jobs in worker processes only)
+            self._sent.pop(job.wire, None)
+        self.store.record(job.wire, (self._functions.get(job.fn) or self._function(job.fn))[1],
                           "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)

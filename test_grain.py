@@ -3458,12 +3458,12 @@ async def test_the_store_writer_process_writes_and_its_death_costs_no_row(tmp_pa
     try:
         store.start_writer()
         proc = store.writer
-        await store.send([("a", "f", "done", b"1", None, None, 0.5)])
+        await store.send(["a", "f", "done", b"1", None, None, 0.5])  # a row's fields
         with contextlib.closing(sqlite3.connect(path)) as db:  # acknowledged: in the file
             assert db.execute("SELECT key FROM results").fetchall() == [("a",)]
         proc.kill()
         proc.wait()
-        await store.send([("b", "f", "done", b"2", None, None, 0.5)])  # written from here
+        await store.send(["b", "f", "done", b"2", None, None, 0.5])  # written from here
         assert store.writer is None
         with contextlib.closing(sqlite3.connect(path)) as db:
             assert [k for (k,) in db.execute("SELECT key FROM results")] == ["a", "b"]
