@@ -4368,6 +4368,20 @@ class Scheduler:
         job.queue.run = 0
         self.n_queued += 1
 
+    def withdraw(self, job):
+        """Take ``job`` out of its queue (a worker came back running it); False when it
+        is not waiting there (it started again meanwhile)."""
+        queue = job.queue
+        try:
+            queue.jobs.remove(job)
+        except ValueError:
+            return False
+        self.n_queued -= 1
+        queue.run = 0
+        if queue.blocked_job is job:
+            queue.unreserve()
+        return True
+
     def launch(self, job, w):
         """Allocate ``job`` its request on ``w`` and start it there."""
         job.state = "running"
@@ -4649,13 +4663,16 @@ class Reunion:
     results of those that ended while it was alone; the owner offers it the jobs it has.
     A job that was running when the old head went is held for REJOIN_WAIT_S after this
     head started, in case its worker comes back; a job a worker comes back with that no
-    one claims within ORPHAN_WAIT_S is cancelled there. (Only string wire ids outlive a
-    head: a store's keys, a mission's token and id.) ``deliver(job, ok, data, duration,
-    kind)`` hands a job a result a worker reported."""
+    one claims within ORPHAN_WAIT_S is cancelled there. A worker that comes back later
+    than REJOIN_WAIT_S still gets its job if the job waits in the queue (``withdraw(job)``
+    takes it out; False if it started again). (Only string wire ids outlive a head: a
+    store's keys, a mission's token and id.) ``deliver(job, ok, data, duration, kind)``
+    hands a job a result a worker reported."""
 
-    def __init__(self, deliver, clock=_now):
-        self.deliver, self.clock = deliver, clock
+    def __init__(self, deliver, clock=_now, withdraw=None):
+        self.deliver, self.clock, self.withdraw = deliver, clock, withdraw
         self.held = {}           # wire -> job waiting for its worker to come back
+        self.requeued = {}       # wire -> job held in vain, then queued
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.hold_until = clock() + REJOIN_WAIT_S
@@ -4686,6 +4703,8 @@ class Reunion:
             w.channel.send(("cancel", wire))
         elif wire in self.held:
             _adopt(self.held.pop(wire), w, alloc)
+        elif self._withdrawn(wire):
+            _adopt(self.requeued.pop(wire), w, alloc)
         else:
             w.orphans[wire] = alloc
             self.running[wire] = (w, self.clock())
@@ -4694,10 +4713,17 @@ class Reunion:
         """A worker reports the result of a job that ended while it had no head."""
         self.running.pop(wire, None)
         job = self.held.pop(wire, None)
+        if job is None and self._withdrawn(wire):
+            job = self.requeued.pop(wire)
         if job is not None:
             self.deliver(job, *result)
         elif type(wire) is str:
             self.finished[wire] = (result, self.clock())
+
+    def _withdrawn(self, wire):
+        """Was the job ``wire`` queued again after its hold, and is it out of the queue now?"""
+        job = self.requeued.get(wire)
+        return job is not None and self.withdraw is not None and self.withdraw(job)
 
     def worker_left(self, w):
         for wire in getattr(w, "orphans", ()):
@@ -4713,9 +4739,13 @@ class Reunion:
             log.warning("%d job(s) that were running when the last head went run again: "
                         "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
         for job in held:
+            self.requeued[job.wire] = job
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
+            for wire, job in list(self.requeued.items()):
+                if job.state in ("done", "failed"):
+                    del self.requeued[wire]
             old = self.clock() - ORPHAN_WAIT_S
             for wire, (w, since) in list(self.running.items()):
                 if since < old:
@@ -5878,7 +5908,7 @@ class GrainExecutor:
                        for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
-        self.reunion = Reunion(self._deliver)
+        self.reunion = Reunion(self._deliver, withdraw=self.scheduler.withdraw)
         self._nursery.start_soon(self.reunion.run, self._queue)
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
@@ -7224,7 +7254,7 @@ class HeadDaemon:
         self.closing = False
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
-        self.reunion = Reunion(self._deliver)
+        self.reunion = Reunion(self._deliver, withdraw=self.scheduler.withdraw)
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""

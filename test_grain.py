@@ -3627,6 +3627,36 @@ async def test_held_jobs_run_again_and_unclaimed_ones_are_cancelled(autojump_clo
         nursery.cancel_scope.cancel()
 
 
+@trio_test
+async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autojump_clock):
+    sched = grain.Scheduler(clock=trio.current_time)
+    queue = grain.JobQueue("m")
+    sched.add_queue(queue)
+    delivered = []
+    reunion = grain.Reunion(lambda job, *result: delivered.append((job.wire, result)),
+                            clock=trio.current_time, withdraw=sched.withdraw)
+    jobs = []
+    for wire in ("late", "done late", "started"):
+        j = grain.Job(wire, Cores(1), None, (), {})
+        j.wire, j.queue = wire, queue
+        assert reunion.offer(j, hold=True)
+        jobs.append(j)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reunion.run, sched.push)
+        await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
+        assert list(queue.jobs) == jobs and sched.n_queued == 3  # held in vain: queued
+        sched.withdraw(jobs[2])                  # (as if it had started elsewhere)
+        w = _returning_worker()
+        reunion.worker_runs(w, "late", Cores([0]))         # back late, its job still waits
+        reunion.worker_finished("done late", (True, b"v", 1.0, None))
+        reunion.worker_runs(w, "started", Cores([1]))      # too late: it runs elsewhere
+        assert jobs[0].worker is w and jobs[0].state == "running" and w.jobs["late"] is jobs[0]
+        assert delivered == [("done late", (True, b"v", 1.0, None))]
+        assert not queue.jobs and sched.n_queued == 0
+        assert "started" in w.orphans and "started" not in w.jobs
+        nursery.cancel_scope.cancel()
+
+
 def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
     async def apply(f, x):
         return f(x)
