@@ -6682,6 +6682,15 @@ def _nvidia_devices():
     return ids, where
 
 
+def _amd_devices():
+    """``(ids, {id: PCI address})`` from rocm-smi: its ``GPU[i]`` is the index
+    ROCR_VISIBLE_DEVICES takes (it lists every device, whatever that variable says)."""
+    listing = _tool_output(["rocm-smi", "--showbus"]) or ""
+    ids = list(dict.fromkeys(re.findall(r"^GPU\[(\d+)\]", listing, re.M)))
+    where = dict(re.findall(r"^GPU\[(\d+)\]\s*:\s*PCI Bus:\s*(\S+)", listing, re.M))
+    return ids, where
+
+
 def _numa_cores(pci, sysfs):
     """The cores of the NUMA node of the PCI device ``pci`` (``00000000:3B:00.0``), from
     sysfs; None when the machine does not say."""
@@ -6703,8 +6712,8 @@ def _numa_cores(pci, sysfs):
 def find_gpus(environ=None, sysfs="/sys"):
     """This machine's GPUs as a provider, or None: CUDA_VISIBLE_DEVICES when set (a batch
     system's choice for this job), else what ``nvidia-smi -L`` lists (MIG instances by
-    UUID), else ROCR_VISIBLE_DEVICES, else what ``rocm-smi`` lists. NVIDIA devices know
-    the cores of their NUMA node when nvidia-smi and sysfs say."""
+    UUID), else ROCR_VISIBLE_DEVICES, else what ``rocm-smi`` lists. Devices know the
+    cores of their NUMA node when nvidia-smi or rocm-smi, and sysfs, say."""
     environ = os.environ if environ is None else environ
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     ids, where = _nvidia_devices()
@@ -6713,10 +6722,10 @@ def find_gpus(environ=None, sysfs="/sys"):
         ids = [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
     elif not ids:
         vendor = "amd"
+        ids, where = _amd_devices()
         rocr = environ.get("ROCR_VISIBLE_DEVICES")
-        ids = [d.strip() for d in rocr.split(",") if d.strip()] if rocr is not None else \
-            re.findall(r"^GPU\[(\d+)\]", _tool_output(["rocm-smi", "--showid"]) or "", re.M)
-        ids = list(dict.fromkeys(ids))
+        if rocr is not None:
+            ids = list(dict.fromkeys(d.strip() for d in rocr.split(",") if d.strip()))
     if not ids:
         return None
     near = {d: c for d in ids if (c := _numa_cores(where.get(d), sysfs))}

@@ -3769,6 +3769,14 @@ END
 fi
 """
 
+FAKE_ROCM_SMI = "#!/bin/sh\n" + "".join(  # (echo: a builtin, PATH holds only this)
+    f"echo '{line}'\n" for line in [
+        "=========== ROCm System Management Interface ===========",
+        "====================== PCI Bus ID ======================",
+        "GPU[0]\t\t: PCI Bus: 0000:07:00.0", "GPU[1]\t\t: PCI Bus: 0000:0B:00.0",
+        "GPU[2]\t\t: PCI Bus: 0000:87:00.0", "GPU[3]\t\t: PCI Bus: 0000:8B:00.0",
+        "================== End of ROCm SMI Log =================="])
+
 PLAIN_GPUS = "".join(f"GPU {i}: NVIDIA A100-SXM4-40GB (UUID: GPU-{i}aaa)\n" for i in range(4))
 MIG_GPUS = ("GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0aaa)\n"
             "  MIG 3g.20gb     Device  0: (UUID: MIG-0a)\n"
@@ -3812,7 +3820,16 @@ def test_a_worker_finds_its_gpus(tmp_path, monkeypatch):
     found = grain.find_gpus(sysfs=str(sysfs))
     assert found.ids == ["MIG-0a", "MIG-0b", "1"]
     assert found.cpus_near(Gpus(["MIG-0b"])) == {0, 1, 2, 3}
-    # AMD, when there is no NVIDIA tool
+    # AMD, when there is no NVIDIA tool: rocm-smi's devices, their NUMA nodes from sysfs
+    amd_bin = tmp_path / "amd"
+    amd_bin.mkdir()
+    (amd_bin / "rocm-smi").write_text(FAKE_ROCM_SMI)
+    (amd_bin / "rocm-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(amd_bin))
+    found = grain.find_gpus({}, sysfs=str(sysfs))
+    assert found.ids == ["0", "1", "2", "3"] and found.vendor == "amd"
+    found = grain.find_gpus({"ROCR_VISIBLE_DEVICES": "2,3"}, sysfs=str(sysfs))
+    assert found.ids == ["2", "3"] and found.cpus_near(Gpus(["3"])) == {4, 5, 6, 7}
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     found = grain.find_gpus({"ROCR_VISIBLE_DEVICES": "0,1"})
     assert found.ids == ["0", "1"] and found.vendor == "amd"
