@@ -3833,7 +3833,7 @@ def test_a_worker_finds_its_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     found = grain.find_gpus({"ROCR_VISIBLE_DEVICES": "0,1"})
     assert found.ids == ["0", "1"] and found.vendor == "amd"
-    assert grain.job_env({}, Gpus._of(["1"], None, "amd")) == {"ROCR_VISIBLE_DEVICES": "1"}
+    assert grain.job_env({}, Gpus(["1"], vendor="amd")) == {"ROCR_VISIBLE_DEVICES": "1"}
     assert grain.find_gpus({}) is None                      # none found: none offered
 
 
