@@ -206,6 +206,7 @@ LOG_TAIL_LINES = 10       # lines of a job's log shown when it ended without joi
 STORE_FLUSH_S = 0.1       # results reach the store within this (a kill -9 loses no more)
 STORE_BEAT_S = 10.0       # seconds between refreshes of a results store's holder file
 STORE_STALE_S = 60.0      # ... after which one from another host is taken for dead
+STORE_WRITER_EXIT_S = 10.0  # a results store's writer, told it is done, leaves within this
 REATTACH_S = 600.0        # worker.reattach: how long a worker whose head went keeps its jobs
 REJOIN_WAIT_S = 10.0      # a new head holds jobs that were running this long for their worker
 ORPHAN_WAIT_S = 300.0     # a job a worker came back with that no mission claims is cancelled
@@ -3393,7 +3394,7 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
 # rows a later one replaced are dropped when the mission closes the store.
 
 STORE_FORMAT = 2  # 1: one row per key (WITHOUT ROWID), read and converted on opening
-_STORE_TABLE = ("CREATE TABLE IF NOT EXISTS results (key TEXT, function TEXT, state TEXT, "
+_STORE_TABLE = ("CREATE TABLE IF NOT EXISTS results_log (key TEXT, function TEXT, state TEXT, "
                 "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL)")
 _LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
 
@@ -3497,7 +3498,7 @@ def job_key(fn_digest, args, kwargs, req):
     return hashlib.sha256(fn_digest + data + _request_key(req)).hexdigest()[:40]
 
 
-_STORE_INSERT = ("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
+_STORE_INSERT = ("INSERT INTO results_log VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
                  "(julianday('now') - 2440587.5) * 86400.0)")     # in Unix time, by SQLite
 _STORE_FIELDS = 7  # the values a row is given
 
@@ -3505,9 +3506,11 @@ _STORE_FIELDS = 7  # the values a row is given
 # disk never take the event loop's time. (A thread could not: it needs the interpreter
 # back after every statement, and a busy loop held it for a quarter of a second at a time,
 # putting the writes seconds behind.) It reads batches of rows (8-byte size, a pickled
-# flat list of their fields), commits each and answers one byte; at the end of its input it leaves, so rows sent
-# before the mission died are written. A batch cut short is not written: the mission did
-# not see it acknowledged and writes it itself.
+# flat list of their fields), commits each and answers one byte; a size of 0 says the
+# mission is done with it. At the end of its input (the mission died) it leaves too: the
+# batches it was sent are written. A batch cut short is not written: the mission did not
+# see it acknowledged and writes it itself. (-I: the standard library only, not a module
+# of the mission's directory.)
 _STORE_WRITER = """
 import pickle, sqlite3, struct, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
@@ -3515,15 +3518,18 @@ db.execute("PRAGMA synchronous=FULL")
 read = sys.stdin.buffer.read
 while True:
     head = read(8)
-    size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-    batch = read(size) if size >= 0 else b""
-    if size < 0 or len(batch) < size:
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    batch = read(size)
+    if size == 0 or len(batch) < size:
         break
     with db:
         db.execute("BEGIN")
         db.executemany(sys.argv[2], zip(*[iter(pickle.loads(batch))] * int(sys.argv[3])))
-    sys.stdout.buffer.write(b".")
-    sys.stdout.buffer.flush()
+    try:
+        sys.stdout.buffer.write(b".")
+        sys.stdout.buffer.flush()
+    except OSError:  # the mission went: what it sent is written
+        break
 """
 
 
@@ -3540,9 +3546,11 @@ class ResultStore:
         # Rows to write, their fields in one flat list (_STORE_FIELDS a row): tuples that
         # outlive a collection would cost the mission's garbage collector a job's time
         self._pending = []
-        self._replaced = 0   # rows a later one replaced: dropped on closing
+        self._replaced = 0   # rows a later one replaced (or may have: see put_back)
+        self._rows = 0       # rows in the table
         self._db = None
         self._writer = None  # (process, its input, its output) while it writes
+        self._in_flight = False  # a batch sent to the writer, not yet acknowledged
         self.held = False
         self._lock = threading.Lock()  # the database, between threads
 
@@ -3558,10 +3566,10 @@ class ResultStore:
             if not hold:
                 where = self.path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
                 self._db = sqlite3.connect(f"file:{where}?mode=ro", uri=True,
-                                           check_same_thread=False)
-            else:
+                                           check_same_thread=False, timeout=STORE_STALE_S)
+            else:  # (the timeout: while a writer commits, on a slow disk)
                 self._db = sqlite3.connect(self.path, check_same_thread=False,
-                                           isolation_level=None)
+                                           isolation_level=None, timeout=STORE_STALE_S)
                 # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -3571,12 +3579,20 @@ class ResultStore:
                                  f"(this grain.py reads {STORE_FORMAT}; a mission run with "
                                  "it converts an older one)")
             for key, state, rowid in self._db.execute(
-                    "SELECT key, state, rowid FROM results ORDER BY rowid"):
+                    "SELECT key, state, rowid FROM results_log ORDER BY rowid"):
                 self._replaced += key in self.states
                 self.states[key], self._rowids[key] = state, rowid
+            self._rows = len(self._rowids) + self._replaced
         except GrainError:
             self.close()
             raise
+        except sqlite3.OperationalError as e:
+            self.close()
+            if "locked" not in str(e):
+                raise GrainError(f"results store {self.path} cannot be read ({e}); move it "
+                                 "away to start a new one") from None
+            raise GrainError(f"results store {self.path} stayed locked for "
+                             f"{STORE_STALE_S:g} s (another process is writing it)") from None
         except sqlite3.DatabaseError as e:
             self.close()
             raise GrainError(f"results store {self.path} cannot be read ({e}); move it away "
@@ -3584,8 +3600,8 @@ class ResultStore:
         return self
 
     def _format(self):
-        (found,) = self._db.execute("SELECT v FROM meta WHERE k = 'format'").fetchone()
-        return found
+        found = self._db.execute("SELECT v FROM meta WHERE k = 'format'").fetchone()
+        return found[0] if found else None
 
     def _create_or_convert(self):
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
@@ -3594,10 +3610,9 @@ class ResultStore:
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
                              (str(STORE_FORMAT),))
             if self._format() == "1":  # a table kept by key: copy it into a log
-                self._db.execute("ALTER TABLE results RENAME TO results_v1")
                 self._db.execute(_STORE_TABLE)
-                self._db.execute("INSERT INTO results SELECT * FROM results_v1")
-                self._db.execute("DROP TABLE results_v1")
+                self._db.execute("INSERT INTO results_log SELECT * FROM results")
+                self._db.execute("DROP TABLE results")
                 self._db.execute("UPDATE meta SET v = ? WHERE k = 'format'",
                                  (str(STORE_FORMAT),))
             self._db.execute(_STORE_TABLE)
@@ -3645,8 +3660,8 @@ class ResultStore:
         self.stop_writer()
         if self._db is not None:
             self.flush()
-            if self.held and self._replaced:
-                self._drop_replaced()
+            if self.held and self._replaced * 8 > self._rows:
+                self._drop_replaced()  # (a few replaced rows cost less than reading it all)
             self._db.close()
             self._db = None
         if self.held:
@@ -3657,8 +3672,8 @@ class ResultStore:
     def _drop_replaced(self):
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM results WHERE rowid NOT IN (SELECT MAX(rowid) "
-                             "FROM results GROUP BY key)")
+            self._db.execute("DELETE FROM results_log WHERE rowid NOT IN (SELECT MAX(rowid) "
+                             "FROM results_log GROUP BY key)")
         self._replaced = 0
 
     # -- reading and writing -------------------------------------------------------
@@ -3667,9 +3682,9 @@ class ResultStore:
         rowid = self._rowids.get(key)
         with self._lock:
             if rowid is not None:  # (a key found on opening: the common case, fast)
-                return self._db.execute("SELECT state, value, error, kind FROM results "
+                return self._db.execute("SELECT state, value, error, kind FROM results_log "
                                         "WHERE rowid = ?", (rowid,)).fetchone()
-            return self._db.execute("SELECT state, value, error, kind FROM results WHERE "
+            return self._db.execute("SELECT state, value, error, kind FROM results_log WHERE "
                                     "key = ? ORDER BY rowid DESC LIMIT 1", (key,)).fetchone()
 
     def record(self, key, function, state, value=None, error=None, kind=None,
@@ -3687,11 +3702,15 @@ class ResultStore:
     def take(self):
         """The rows recorded since the last ``take`` (flat), to ``send``."""
         rows, self._pending = self._pending, []
+        self._rows += len(rows) // _STORE_FIELDS
         return rows
 
     def put_back(self, rows):
-        """Rows taken but maybe not written: ``close`` writes them."""
+        """Rows taken but maybe not written: ``close`` writes them (again, if the writer
+        did before it could say so: then the newer copy replaces the older)."""
         self._pending[:0] = rows
+        self._rows -= len(rows) // _STORE_FIELDS
+        self._replaced += len(rows) // _STORE_FIELDS
 
     def write(self, rows):
         """Append ``rows`` (flat) in one transaction, from this process."""
@@ -3707,7 +3726,7 @@ class ResultStore:
 
     def start_writer(self):
         """Start the writer process (see _STORE_WRITER) that ``send`` gives rows to."""
-        argv = [sys.executable, "-c", _STORE_WRITER, self.path, _STORE_INSERT,
+        argv = [sys.executable, "-I", "-c", _STORE_WRITER, self.path, _STORE_INSERT,
                 str(_STORE_FIELDS)]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -3732,8 +3751,10 @@ class ResultStore:
             proc, to_writer, from_writer = self._writer
             data = pickle.dumps(rows, protocol=4)
             try:
+                self._in_flight = True
                 await to_writer.send_all(struct.pack("<Q", len(data)) + data)
                 if await from_writer.receive_some(1) == b".":
+                    self._in_flight = False
                     return
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
@@ -3743,15 +3764,22 @@ class ResultStore:
         await trio.to_thread.run_sync(self.write, rows)
 
     def stop_writer(self):
-        """Close the writer's input and wait for it to write what it has and leave."""
+        """Tell the writer it is done and wait for it to leave. (Not by closing its input:
+        a process the mission forked may hold that open.) One with a batch it has not
+        acknowledged is stopped at once: the caller writes that batch itself."""
         if self._writer is None:
             return
         proc, to_writer, from_writer = self._writer
         self._writer = None
+        if self._in_flight:
+            proc.kill()
+        else:
+            with contextlib.suppress(OSError):
+                os.write(proc.stdin.fileno(), bytes(8))  # a batch of size 0: done
         for stream in (to_writer, from_writer, proc.stdin, proc.stdout):
             stream.close()
         try:
-            proc.wait(timeout=STORE_STALE_S)
+            proc.wait(timeout=STORE_WRITER_EXIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -3759,8 +3787,8 @@ class ResultStore:
     def summary(self):
         """``[(function, state, count)]`` of the entries, and the file's size in bytes."""
         rows = self._db.execute(
-            "SELECT function, state, COUNT(*) FROM results WHERE rowid IN (SELECT "
-            "MAX(rowid) FROM results GROUP BY key) GROUP BY function, state "
+            "SELECT function, state, COUNT(*) FROM results_log WHERE rowid IN (SELECT "
+            "MAX(rowid) FROM results_log GROUP BY key) GROUP BY function, state "
             "ORDER BY function, state")
         return list(rows), os.path.getsize(self.path)
 
@@ -3770,13 +3798,13 @@ class ResultStore:
         self.flush()
         if self._replaced:  # (then every key has one row)
             self._drop_replaced()
-        names = [n for (n,) in self._db.execute("SELECT DISTINCT function FROM results")
+        names = [n for (n,) in self._db.execute("SELECT DISTINCT function FROM results_log")
                  if fnmatch.fnmatchcase(n, pattern)]
         dropped = 0
         with self._db:
             self._db.execute("BEGIN")
             for name in names:
-                cur = self._db.execute("DELETE FROM results WHERE function = ?" +
+                cur = self._db.execute("DELETE FROM results_log WHERE function = ?" +
                                        (" AND state = ?" if state else ""),
                                        (name, state) if state else (name,))
                 dropped += cur.rowcount
@@ -4378,8 +4406,9 @@ class Scheduler:
             return False
         self.n_queued -= 1
         queue.run = 0
-        if queue.blocked_job is job:
+        if queue.blocked_job is job and queue.reserved is not None:
             queue.unreserve()
+            self.pump()  # the worker it held may take others now
         return True
 
     def launch(self, job, w):

@@ -1975,7 +1975,7 @@ def test_a_mission_that_was_its_own_head_resumes_its_running_jobs(workers, tmp_p
 
         def running_in_store():
             with contextlib.closing(sqlite3.connect(store)) as db:
-                return db.execute("SELECT COUNT(*) FROM results WHERE state = 'running'"
+                return db.execute("SELECT COUNT(*) FROM results_log WHERE state = 'running'"
                                   ).fetchone()[0]
 
         wait_for(lambda: running_in_store() == 8, 10, "the store to say they run")
@@ -3428,7 +3428,7 @@ def test_the_store_is_a_log_whose_newest_row_counts_and_an_older_format_is_conve
     assert re.search(r"^f\s+done\s+1$", cp.stdout, re.M) and "running" not in cp.stdout
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as db:  # closing dropped the older row
-        assert db.execute("SELECT key, state FROM results ORDER BY key").fetchall() == \
+        assert db.execute("SELECT key, state FROM results_log ORDER BY key").fetchall() == \
             [("j", "failed"), ("k", "done")]
     # format 1 (one row per key, WITHOUT ROWID), as grain.py wrote it before: converted
     old = tmp_path / "old.db"
@@ -3460,15 +3460,61 @@ async def test_the_store_writer_process_writes_and_its_death_costs_no_row(tmp_pa
         proc = store.writer
         await store.send(["a", "f", "done", b"1", None, None, 0.5])  # a row's fields
         with contextlib.closing(sqlite3.connect(path)) as db:  # acknowledged: in the file
-            assert db.execute("SELECT key FROM results").fetchall() == [("a",)]
+            assert db.execute("SELECT key FROM results_log").fetchall() == [("a",)]
         proc.kill()
         proc.wait()
         await store.send(["b", "f", "done", b"2", None, None, 0.5])  # written from here
         assert store.writer is None
         with contextlib.closing(sqlite3.connect(path)) as db:
-            assert [k for (k,) in db.execute("SELECT key FROM results")] == ["a", "b"]
+            assert [k for (k,) in db.execute("SELECT key FROM results_log")] == ["a", "b"]
     finally:
         store.close()
+
+
+@trio_test
+async def test_the_store_writer_survives_the_missions_directory_and_leaves_when_told(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pickle.py").write_text("raise ImportError('a module of the user')\n")
+    store = grain.ResultStore(tmp_path / "r.db").open()
+    child = None
+    try:
+        store.start_writer()
+        proc = store.writer
+        await store.send(["a", "f", "done", b"1", None, None, 0.5])
+        assert store.writer is proc  # (it would have died importing that pickle.py)
+        child = os.fork()  # a process the mission forked holds the writer's input open
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+    finally:
+        store.close()
+    try:
+        assert proc.returncode == 0  # it left when told, not killed at the time limit
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+@trio_test
+async def test_a_batch_cut_off_from_its_answer_is_written_once(tmp_path):
+    path = tmp_path / "r.db"
+    store = grain.ResultStore(path).open()
+    row = ["a", "f", "done", b"1", None, None, 0.5]
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        try:
+            store.start_writer()
+            db.execute("BEGIN EXCLUSIVE")  # the writer's commit waits for this
+            with trio.move_on_after(0.2):
+                await store.send(row)
+            store.put_back(row)  # (what keep() does when cancelled)
+            db.execute("ROLLBACK")
+            with trio.fail_after(10):  # the writer commits it, unacknowledged
+                while db.execute("SELECT COUNT(*) FROM results_log").fetchone()[0] == 0:
+                    await trio.sleep(0.01)
+        finally:
+            store.close()  # it is written once more, and the older copy dropped
+        assert db.execute("SELECT key FROM results_log").fetchall() == [("a",)]
 
 
 STORE_MISSION = textwrap.dedent("""
@@ -3528,7 +3574,7 @@ def test_a_mission_killed_at_random_resumes_from_its_store(tmp_path):
         first.wait()
     ran = count()
     with contextlib.closing(sqlite3.connect(store)) as db:
-        stored = db.execute("SELECT COUNT(*) FROM results WHERE state = 'done'").fetchone()[0]
+        stored = db.execute("SELECT COUNT(*) FROM results_log WHERE state = 'done'").fetchone()[0]
     # What the store lacks of the jobs that had returned: those of the last moments only
     # (STORE_FLUSH_S, and the time the last write took)
     ended = {int(line[0]): float(line[2]) for line in lines() if line[1] == "end"}
@@ -4115,6 +4161,22 @@ async def test_explain_names_a_reservation_held_on_a_real_worker(workers, tmp_pa
             assert "it waited over 0.2 s and holds worker node: nothing else starts there " \
                 "until it fits (node has CPU_Cores([" in out, out
             scope.cancel()
+
+
+def test_a_withdrawn_job_gives_up_its_reservation():
+    # a job a worker came back with leaves the queue: the worker it held takes others
+    p = Policy()
+    w = Recorder(Cores([0, 1]), "w")
+    p.sched.add_worker(w)
+    p.push(1, 1)
+    p.push(2, 2)                       # blocked: one core is free
+    p.push(3, 1)                       # backfills it
+    p.now = grain.RESERVE_AFTER_S
+    p.end(3)                           # job 2 reserves w
+    p.push(4, 1)
+    assert w.started == [1, 3] and w.reserved_for is p.jobs[2]
+    assert p.sched.withdraw(p.jobs[2]) and not p.sched.withdraw(p.jobs[2])
+    assert w.started == [1, 3, 4] and w.reserved_for is None and p.sched.n_queued == 0
 
 
 def test_explain_names_the_reservation():
