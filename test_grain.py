@@ -4163,23 +4163,7 @@ async def test_explain_names_a_reservation_held_on_a_real_worker(workers, tmp_pa
             scope.cancel()
 
 
-def test_a_withdrawn_job_gives_up_its_reservation():
-    # a job a worker came back with leaves the queue: the worker it held takes others
-    p = Policy()
-    w = Recorder(Cores([0, 1]), "w")
-    p.sched.add_worker(w)
-    p.push(1, 1)
-    p.push(2, 2)                       # blocked: one core is free
-    p.push(3, 1)                       # backfills it
-    p.now = grain.RESERVE_AFTER_S
-    p.end(3)                           # job 2 reserves w
-    p.push(4, 1)
-    assert w.started == [1, 3] and w.reserved_for is p.jobs[2]
-    assert p.sched.withdraw(p.jobs[2]) and not p.sched.withdraw(p.jobs[2])
-    assert w.started == [1, 3, 4] and w.reserved_for is None and p.sched.n_queued == 0
-
-
-def test_explain_names_the_reservation():
+def _job_2_reserves_w():
     p = Policy()
     w = Recorder(Cores([0, 1]), "w")
     p.sched.add_worker(w)
@@ -4188,6 +4172,20 @@ def test_explain_names_the_reservation():
     p.push(3, 1)                       # backfills it
     p.now = grain.RESERVE_AFTER_S
     p.end(3)                           # job 2 has waited long enough: it reserves w
+    return p, w
+
+
+def test_a_withdrawn_job_gives_up_its_reservation():
+    # a job a worker came back with leaves the queue: the worker it held takes others
+    p, w = _job_2_reserves_w()
+    p.push(4, 1)
+    assert w.started == [1, 3] and w.reserved_for is p.jobs[2]
+    assert p.sched.withdraw(p.jobs[2]) and not p.sched.withdraw(p.jobs[2])
+    assert w.started == [1, 3, 4] and w.reserved_for is None and p.sched.n_queued == 0
+
+
+def test_explain_names_the_reservation():
+    p, w = _job_2_reserves_w()
     (why,) = p.sched.explain()
     assert why["job"].startswith("#2") and why["waited"] == grain.RESERVE_AFTER_S
     assert why["reason"] == (f"it waited over {grain.RESERVE_AFTER_S:g} s and holds worker w: "
