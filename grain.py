@@ -935,10 +935,9 @@ class Cores(Resource):
         """Like _alloc, taking the ids in ``near`` first (the cores close to a job's GPUs)."""
         ids = self._id_list()
         taken = ([i for i in ids if i in near] + [i for i in ids if i not in near])[:res.N]
-        chosen = set(taken)
-        ids[:] = [i for i in ids if i not in chosen]
-        self.N -= len(taken)
-        return Cores._of(sorted(taken))
+        alloc = Cores._of(sorted(taken))
+        self._claim(alloc)
+        return alloc
 
     def _dealloc(self, res):
         ids = self._ids if self._ids is not None else self._id_list()
@@ -1187,9 +1186,6 @@ class Gpus(Resource):
         for dev in alloc.ids:
             near.update(self.near.get(dev, ()))
         return near
-
-    def _refusal(self, res):
-        return f"{self!r} cannot allocate {res!r}"
 
     def _repr(self):
         if self.ids is None and self._free is None:
@@ -3005,10 +3001,6 @@ def _pbs_lines(s, name, log):
             "-j oe", *([f"-o {log}"] if log else [])]
 
 
-def _query(argv):
-    return subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
-
-
 def _slurm_states(ids, custom=None):
     cp = _query(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"])
     if cp.returncode != 0:  # squeue refuses a lone id it does not know; else it failed
@@ -3029,13 +3021,15 @@ def _pbs_state(job_id):
                                               "H": "HELD"}.get(state, state)
 
 
+def _query(argv):
+    return subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+
+
 def _custom_states(ids, custom):
     if custom is None or not custom.status_cmd:  # nothing to ask: pending until it joins
         return dict.fromkeys(ids, UNKNOWN)
     cmd = shlex.split(custom.status_cmd)  # exits 0 while the job is queued or running
-    return {i: "ALIVE" if subprocess.run(cmd + [i], capture_output=True,
-                                         timeout=BATCH_QUERY_S).returncode == 0 else ENDED
-            for i in ids}
+    return {i: "ALIVE" if _query(cmd + [i]).returncode == 0 else ENDED for i in ids}
 
 
 def _slurm_time_left(job_id):
@@ -3130,7 +3124,8 @@ def batch_cpu_ids(allowed):
     if not cpu_ids or len(allowed) != (os.cpu_count() or 0):
         return None
     try:
-        return [i for i in cpu_ids(job) or () if i in set(allowed)] or None
+        allowed = set(allowed)
+        return [i for i in cpu_ids(job) or () if i in allowed] or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -3160,6 +3155,13 @@ def _stamp(text, when, seq=0):
     second (``up -n 100``) gets a suffix, so that names and logs stay distinct."""
     return text.replace("{{HHMMSS}}", time.strftime("%H%M%S", time.localtime(when))
                         + (f"-{seq}" if seq else ""))
+
+
+def job_name_and_log(s, when, seq=0):
+    """The name and log file (absolute, or "") of a batch job of role settings ``s``
+    submitted at ``when``: what its script says and the JobBook records."""
+    log_file = os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else ""
+    return _stamp(s.name, when, seq), log_file
 
 
 def _setup_and_cleanup(text):
@@ -3248,8 +3250,7 @@ def render_script(s, main, when=None, seq=0):
     system's, or ``custom_system.template`` when there is one (with ``system`` "custom",
     or, as upstream, any other system it then stands in for)."""
     when = time.time() if when is None else when
-    name = _stamp(s.name, when, seq)
-    log_file = os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else ""
+    name, log_file = job_name_and_log(s, when, seq)
     setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
     body = []
     if cleanup:
@@ -3370,9 +3371,9 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
     out = _run_command(argv + list(extra_args) + [path], "submission",
                        SYSTEMS[s.system]["hint"])
     batch_id = (out.strip().split() or ["?"])[-1].split(";")[0]
+    name, log_file = job_name_and_log(s, when, seq)
     JobBook(s.dial if role == "worker" else s.listen).add({
-        "id": batch_id, "system": s.system, "role": role, "name": _stamp(s.name, when, seq),
-        "log": os.path.abspath(_stamp(s.log_file, when, seq)) if s.log_file else "",
+        "id": batch_id, "system": s.system, "role": role, "name": name, "log": log_file,
         "script": path, "submitted": when})
     return batch_id
 
@@ -3834,8 +3835,7 @@ class MissionResults:
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
         "running" when it was running when the last run of this mission ended."""
         try:
-            function = self._functions.get(job.fn) or self._function(job.fn)
-            key = job_key(function[0], job.args, job.kwargs, job.req)
+            key = job_key(self._function(job.fn)[0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(job.fn)
             if name not in self._unkeyable:
@@ -3878,7 +3878,7 @@ class MissionResults:
             return
         if self._sent:  # (jobs in worker processes only)
             self._sent.pop(job.wire, None)
-        self.store.record(job.wire, (self._functions.get(job.fn) or self._function(job.fn))[1],
+        self.store.record(job.wire, self._function(job.fn)[1],
                           "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
@@ -4155,12 +4155,14 @@ class RemoteWorker(Worker):
     def where(self):
         return f"pid {self.pid} on {self.host}"
 
-    def _send_function(self, fn, *extra):
-        """Send ``fn`` unless the peer has it already; returns its digest."""
+    def _send_function(self, fn, named=False):
+        """Send ``fn`` (``named``: with its name) unless the peer has it already; returns
+        its digest."""
         digest, fn_bytes = self.owner.function_bytes(fn)
         if digest not in self.known_functions:
             self.known_functions.add(digest)
-            self.channel.send(("fn", digest, fn_bytes, *extra))
+            self.channel.send(("fn", digest, fn_bytes) +
+                              ((_callable_name(fn),) if named else ()))
         return digest
 
     def start(self, job):
@@ -5075,13 +5077,12 @@ class HeadLink(RemoteWorker):
         self.resumed = resumed  # ids of jobs an earlier daemon had: this one is told so
 
     def start(self, job):
-        digest = self._send_function(job.fn, _callable_name(job.fn))
+        digest = self._send_function(job.fn, named=True)
         self.jobs[job.id] = job
-        if job.id in self.resumed:
-            self.resumed.discard(job.id)
-            self.channel.send(("job", job.id, job.req, digest, job.payload, True))
-        else:
-            self.channel.send(("job", job.id, job.req, digest, job.payload))
+        resumed = job.id in self.resumed
+        self.resumed.discard(job.id)
+        self.channel.send(("job", job.id, job.req, digest, job.payload) +
+                          ((True,) if resumed else ()))
 
     def message_handlers(self):
         return {"done": self.on_done, "ping": _ignore,
@@ -5206,11 +5207,7 @@ class MissionRecord:
         t0 = min([self.t0] + [j.started for j in ran])
         span = max(end - t0, 1e-3)
         x = REPORT_WIDTH / span
-        text = _report_html(self, ran, t0, end, x, title)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, _report_html(self, ran, t0, end, x, title).encode(), mode=0o644)
 
 
 class ProgressLine:
@@ -5224,7 +5221,6 @@ class ProgressLine:
         self.executor, self.stream = executor, stream
         self.shown = False
         self.partial = False   # others wrote half a line: do not draw over it
-        self.t0 = _now()
 
     @staticmethod
     def wanted(stream):
@@ -5236,17 +5232,18 @@ class ProgressLine:
         exer = self.executor
         counts, sched = exer.tally.counts, exer.scheduler
         done, failed, total = counts["done"], counts["failed"], len(exer._jobs)
-        busy = held = 0
+        busy = held = running = 0
         for w in sched.workers:
             free, all_ = w.res.stat().get("Cores", (0, 0)), w.total.stat().get("Cores", (0, 0))
             busy, held = busy + all_[1] - free[0], held + all_[1]
-        elapsed = _now() - self.t0
+            running += w.running
+        elapsed = _now() - exer.record.t0
         ended = done + failed
         left = f" (~{format_walltime((total - ended) * elapsed / ended)} left)" \
             if ended and total > ended else ""
         why = ", ".join(f"{k}: {v}" for k, v in sorted(exer.tally.failed_by_class.items()))
         return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, "
-                f"{sched.statistics().running} running, {sched.n_queued} queued, {failed} "
+                f"{running} running, {sched.n_queued} queued, {failed} "
                 f"failed{f' ({why})' if why else ''} | {busy}/{held} cores busy on "
                 f"{len(sched.workers)} worker(s)")
 
@@ -8088,9 +8085,7 @@ def _cmd_ls(args):
 
 def _cmd_explain(args):
     s, address, key = _cli_target(args)
-    stats = trio.run(cli_request, address, key, "stats")
-    if stats is None:
-        raise GrainError(f"no head is listening at {address}")
+    stats = _cli_call(address, key, "stats")
     lines = format_waiting(stats.get("waiting", ())) or ["no job is waiting"]
     if not stats["workers"]:  # what the submitted worker jobs are doing
         lines += format_jobs(submitted_jobs(JobBook(address), s, set()))
@@ -8118,8 +8113,8 @@ def _cmd_up(args):
             print(script, end="")
             return 0
         job_id = submit_script(s, script, _extra(args), "worker", when, seq)
-        print(f"submitted worker job {job_id} ({_stamp(s.name, when, seq)}); log: "
-              f"{os.path.abspath(_stamp(s.log_file, when, seq))}")
+        name, log_file = job_name_and_log(s, when, seq)
+        print(f"submitted worker job {job_id} ({name}); log: {log_file}")
     return 0
 
 
