@@ -3369,7 +3369,7 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
                                      f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
     out = _run_command(argv + list(extra_args) + [path], "submission",
-                       SYSTEMS[s.system]["hint"])
+                       SYSTEMS.get(s.system, SYSTEMS["custom"])["hint"])
     batch_id = (out.strip().split() or ["?"])[-1].split(";")[0]
     name, log_file = job_name_and_log(s, when, seq)
     JobBook(s.dial if role == "worker" else s.listen).add({

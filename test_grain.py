@@ -3883,6 +3883,14 @@ def test_a_worker_finds_its_gpus(tmp_path, monkeypatch):
     assert grain.find_gpus({}) is None                      # none found: none offered
 
 
+def test_a_template_with_its_own_submit_cmd_needs_no_system(tmp_path):
+    # upstream's way: no `system`, a custom template and the command that submits it
+    cfg = grain.parse_config('[custom_system]\ntemplate = "#!/bin/sh\\n{main}"\n'
+                             'submit_cmd = "echo 4242"\n', "x.toml").role("worker")
+    script = grain.render_script(cfg, "true")
+    assert grain.submit_script(cfg, script) == "4242"
+
+
 def test_script_gpus_asks_the_batch_system():
     base = 'system = "{}"\n[script]\ncores = 4\ngpus = 2\n'
     slurm = grain.parse_config(base.format("slurm"), "x.toml").role("worker")
