@@ -3886,7 +3886,7 @@ def test_a_worker_finds_its_gpus(tmp_path, monkeypatch):
 def test_a_template_with_its_own_submit_cmd_needs_no_system(tmp_path):
     # upstream's way: no `system`, a custom template and the command that submits it
     cfg = grain.parse_config('[custom_system]\ntemplate = "#!/bin/sh\\n{main}"\n'
-                             'submit_cmd = "echo 4242"\n', "x.toml").role("worker")
+                             'submit_cmd = "sh -c \'echo 4242\'"\n', "x.toml").role("worker")
     script = grain.render_script(cfg, "true")
     assert grain.submit_script(cfg, script) == "4242"
 
