@@ -5416,8 +5416,10 @@ def _report_html(record, ran, t0, end, x, title):
         f"<h2>Cores busy (green) and held (grey), up to {top}</h2><svg width="
         f"'{REPORT_WIDTH + 120}' height='125'><g transform='translate(110,0)'>",
         line(held, "held"), line(busy, "busy"), "</g></svg>",
-        "<h2>Slowest jobs</h2><table><tr><th>job</th><th>seconds</th><th>worker</th></tr>" +
+        "<h2>Slowest jobs</h2><table><tr><th>job</th><th>seconds</th><th>waited (s)</th>"
+        "<th>worker</th></tr>" +
         "".join(f"<tr><td>{esc(j.name)}</td><td>{j.ended - j.started:.2f}</td><td>"
+                f"{j.started - (j.submitted or j.started):.2f}</td><td>"
                 f"{esc(getattr(j.worker, 'name', '?'))}</td></tr>" for j in slow) + "</table>",
         f"<h2>Failures ({t['failed']})</h2><table><tr><th>job</th><th>class</th>"
         "<th>attempts</th><th>error</th></tr>" +
