@@ -3534,6 +3534,21 @@ while True:
 """
 
 
+_INT64 = 2 ** 63
+
+
+def _stored_value(value, pickled=None):
+    """A result as the store keeps it: a number or a text as SQLite's own value (no pickling,
+    and readable with any SQLite tool), anything else pickled (``pickled``: as its worker
+    already did). (Not NaN, which SQLite stores as NULL; not an int beyond 64 bits; not
+    bool, which would come back an int.)"""
+    kind = type(value)
+    if kind is float and value == value or kind is str or value is None or (
+            kind is int and -_INT64 <= value < _INT64):
+        return value
+    return pickled if pickled is not None else dumps_job_value(value, "the result")
+
+
 class ResultStore:
     """The results of a mission's jobs, by key, in an SQLite file (see the section)."""
 
@@ -3834,10 +3849,12 @@ class MissionResults:
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
         "running" when it was running when the last run of this mission ended."""
+        fn = job.fn
+        digest = self._functions.get(fn) or self._function(fn)
         try:
-            key = job_key(self._function(job.fn)[0], job.args, job.kwargs, job.req)
+            key = job_key(digest[0], job.args, job.kwargs, job.req)
         except TypeError as e:
-            name = _callable_name(job.fn)
+            name = _callable_name(fn)
             if name not in self._unkeyable:
                 self._unkeyable.add(name)
                 log.warning("jobs of %s cannot be keyed for the results store (%s): they "
@@ -3847,7 +3864,7 @@ class MissionResults:
         # samples with the same call gets its 100 results back, not one of them 100 times.
         n = self._counts[key] = self._counts.get(key, -1) + 1
         job.wire = wire = f"{key}#{n}"
-        state = self.store.states.get(wire)
+        state = self.store.states.get(wire) if self.store.states else None
         if state is None:  # (a new job: the common case)
             return None
         if state == "done" or (state == "failed" and not self.rerun_failed):
@@ -3863,22 +3880,23 @@ class MissionResults:
         """``(value, error, kind)`` stored for a known job."""
         state, data, error, kind = await trio.to_thread.run_sync(
             self.store.fetch, job.wire)
-        value = loads_job_value(data) if data is not None else None
+        value = loads_job_value(data) if type(data) is bytes else data
         if state == "done":
             return value, None, None
         exc = value[0] if isinstance(value, tuple) else GrainError(error)
         add_note(exc, f"grain: the result of an earlier run, from {self.store.path}")
         return None, exc, kind
 
-    def record(self, job, value, error, kind):
+    def record(self, job, value, error, kind, pickled=None):
+        """Remember how ``job`` ended (``pickled``: its value as its worker sent it)."""
         try:
-            data = dumps_job_value(value if error is None else (error, ""), "the result")
+            data = _stored_value(value, pickled) if error is None else dumps_job_value((error, ""), "the exception")
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
         if self._sent:  # (jobs in worker processes only)
             self._sent.pop(job.wire, None)
-        self.store.record(job.wire, self._function(job.fn)[1],
+        self.store.record(job.wire, self._functions[job.fn][1],
                           "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
@@ -5816,12 +5834,12 @@ class GrainExecutor:
 
     def _deliver(self, job, ok, data, duration, kind, where="its worker"):
         job.attempts = job.attempts or 1  # (it ran, though maybe for another head)
-        self._ended(job, *unpickle_result(job, ok, data, where), duration)
+        self._ended(job, *unpickle_result(job, ok, data, where), duration, data)
 
-    def _ended(self, job, value, error, duration):
+    def _ended(self, job, value, error, duration, pickled=None):
         job.duration = duration
         if error is None:
-            self._complete(job, value, None)
+            self._complete(job, value, None, pickled=pickled)
         else:
             kind = self.retries.class_of(error)
             if kind is None or not self._retry(job, kind, error):
@@ -5851,7 +5869,7 @@ class GrainExecutor:
             self._enqueue(job)
         return True
 
-    def _complete(self, job, value, error, kind=None):
+    def _complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
             job.value, job.state = value, "done"
         else:
@@ -5860,7 +5878,7 @@ class GrainExecutor:
             job.kind = kind = kind or failure_class(error)
         job.ended = trio.current_time()
         if self.stored is not None and job.attempts and type(job.wire) is str:
-            self.stored.record(job, value, error, kind)
+            self.stored.record(job, value, error, kind, pickled)
         self.tally.ended(job.state, kind)
         if job._event is not None:
             job._event.set()

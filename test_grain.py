@@ -1279,6 +1279,35 @@ async def test_remote_worker_over_tcp(workers):
     assert "the mission ended" in log_text and "lost the head" not in log_text
 
 
+class OnlyItsWorkerPickles:
+    """A result that cannot be pickled again in the head's process."""
+
+    def __init__(self, head_pid):
+        self.head_pid = head_pid
+
+    def __reduce__(self):
+        if os.getpid() == self.head_pid:
+            raise TypeError("not in the head")
+        return OnlyItsWorkerPickles, (self.head_pid,)
+
+
+async def only_its_worker_pickles(head_pid):
+    return OnlyItsWorkerPickles(head_pid)
+
+
+@trio_test
+async def test_a_remote_result_is_stored_as_its_worker_pickled_it(workers, tmp_path):
+    store = tmp_path / "r.db"
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0", results=str(store)) as exer:
+        workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+        await exer.wait_for_workers(1)
+        value = await exer.submit(Cores(1), only_its_worker_pickles, os.getpid())
+    assert type(value) is OnlyItsWorkerPickles  # (and the head could not pickle it again)
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        (data,), = db.execute("SELECT value FROM results_log WHERE state = 'done'")
+    assert type(grain.loads_job_value(data)) is OnlyItsWorkerPickles
+
+
 @pytest.mark.parametrize("worker_first", [True, False])
 @trio_test
 async def test_remote_workers_meet_the_head_through_an_edge_file(workers, tmp_path,
@@ -3732,6 +3761,31 @@ def test_repeated_identical_calls_keep_their_own_results(tmp_path):
     first = run(main, **options)
     assert len(set(first)) == 5          # five samples, not one five times
     assert run(main, **options) == first  # and the same five, in order, from the store
+
+
+def test_stored_results_come_back_as_they_were_returned(tmp_path):
+    # numbers and texts are kept as SQLite's own values, the rest pickled: each comes back
+    # with its type and sign (NaN, a bool, a 65-bit int and -0.0 are the traps)
+    values = [3, 2.5, -0.0, float("nan"), float("inf"), True, 2 ** 70, -2 ** 63, "é\x00",
+              b"raw", None, {"e": [1.5]}]
+    calls = []
+
+    async def give(i):
+        calls.append(i)
+        return values[i]
+
+    async def main():
+        return await each((delayed(give) @ Cores(1))(i) for i in range(len(values)))
+
+    options = dict(local=Cores(2), config_file=False, results=str(tmp_path / "r.db"))
+    first = run(main, **options)
+    again = run(main, **options)
+    assert sorted(calls) == list(range(len(values)))  # the second run ran nothing
+    for got in (first, again):
+        assert [(type(v), repr(v)) for v in got] == [(type(v), repr(v)) for v in values]
+    with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as db:
+        kinds = {t for (t,) in db.execute("SELECT typeof(value) FROM results_log")}
+    assert kinds == {"integer", "real", "text", "blob", "null"}
 
 
 def test_the_store_from_grain_toml_lives_beside_the_mission_and_run_combine_takes_it(tmp_path):
