@@ -3396,7 +3396,8 @@ def test_a_job_key_follows_what_it_computes():
     # sets pickle the same in every process, whatever its string hash seed
     code = ("import sys; sys.path.insert(0, {!r}); import grain; "
             "print(grain.job_key(b'x', ({{'alpha', 'beta', 'gamma', 'delta'}},), {{}}, "
-            "grain.Cores(1)))").format(HERE)
+            "grain.Cores(1)), grain.job_key(b'x', ([frozenset({{'alpha', 'beta', 'gamma', "
+            "'delta'}})],), {{}}, grain.Cores(1)))").format(HERE)
     keys = {run_py("-c", code, env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout
             for seed in (1, 2, 3)}
     assert len(keys) == 1
