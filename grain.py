@@ -1945,6 +1945,15 @@ def _edge_socket_path(edge_path, tag):
     return path
 
 
+async def _edge_listeners(edge_path, tag):
+    """Where one side of an Edge rendezvous listens: a free TCP port and a Unix socket
+    beside the file (``tag`` names it); ``(listeners, {interface: url}, socket path)``."""
+    sock_path = _edge_socket_path(edge_path, tag)
+    tcp, urls = await open_listeners("tcp://:0")
+    urls["unix"] = f"unix://{sock_path}"
+    return tcp + [await _unix_listener(sock_path)], urls, sock_path
+
+
 async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
     """The first authenticated stream among ``urls`` (we dial); Unreachable if none."""
     why = "no address to try"
@@ -1971,6 +1980,18 @@ async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
     raise Unreachable(why)
 
 
+async def _admitted(stream, key):
+    """Does the peer of an incoming ``stream`` pass the handshake (we listen)? If not, the
+    stream is closed, with a warning naming the peer."""
+    try:
+        await authenticate(stream, key, dialer=False)
+        return True
+    except (PeerError, OSError, trio.BrokenResourceError) as e:
+        log.warning("refused a connection from %s: %s", _peer_name(stream), e)
+        await stream.aclose()
+        return False
+
+
 async def accept_one(listeners, key):
     """The first incoming stream on ``listeners`` that passes the handshake (we listen).
 
@@ -1981,11 +2002,7 @@ async def accept_one(listeners, key):
     async def accept_from(listener):
         while True:
             stream = await listener.accept()
-            try:
-                await authenticate(stream, key, dialer=False)
-            except (PeerError, OSError, trio.BrokenResourceError) as e:
-                log.warning("refused a connection from %s: %s", _peer_name(stream), e)
-                await stream.aclose()
+            if not await _admitted(stream, key):
                 continue
             try:
                 send.send_nowait(stream)
@@ -2011,14 +2028,9 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
     started() with the URLs peers can use ({interface: url}) once they can connect; for an
     Edge file, once its record is written (a live head's record there is a GrainError)."""
     async def on_accept(stream):
-        peer = _peer_name(stream)
-        try:
-            await authenticate(stream, key, dialer=False)
-        except (PeerError, OSError, trio.BrokenResourceError) as e:
-            log.warning("refused a connection from %s: %s", peer, e)
-            await stream.aclose()
-            return
-        await handler(stream, peer)
+        peer = _peer_name(stream)  # (now: it may hang up later)
+        if await _admitted(stream, key):
+            await handler(stream, peer)
 
     scheme, _, where = parse_url(url)
     if scheme == "edge":
@@ -2040,10 +2052,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
     file, keep our record in it fresh, and call the workers waiting in it."""
     edge = EdgeFile(path)
     lid = os.urandom(8).hex()
-    sock_path = _edge_socket_path(path, f"head-{lid}")
-    tcp, urls = await open_listeners("tcp://:0")
-    unix = await _unix_listener(sock_path)
-    urls["unix"] = f"unix://{sock_path}"
+    listeners, urls, sock_path = await _edge_listeners(path, f"head-{lid}")
     record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
     with edge.locked() as data:
         current = data["listener"]
@@ -2066,7 +2075,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, on_accept, tcp + [unix])
+            nursery.start_soon(trio.serve_listeners, on_accept, listeners)
             first = True
             while True:
                 with edge.locked() as data:
@@ -2128,10 +2137,7 @@ async def _wait_to_be_called(edge, seen, key):
     """Record in the Edge file where we listen and wait for a head to call; None if a live
     head other than ``seen`` appeared meanwhile (connect to it instead)."""
     did = os.urandom(8).hex()
-    sock_path = _edge_socket_path(edge.path, f"worker-{did}")
-    tcp, urls = await open_listeners("tcp://:0")
-    unix = await _unix_listener(sock_path)
-    urls["unix"] = f"unix://{sock_path}"
+    listeners, urls, sock_path = await _edge_listeners(edge.path, f"worker-{did}")
     try:
         with edge.locked() as data:
             if EdgeFile.live(data["listener"]) and data["listener"] != seen:
@@ -2139,10 +2145,10 @@ async def _wait_to_be_called(edge, seen, key):
             data["dialer"].append({"host": hostname(), "did": did, "pid": os.getpid(),
                                    "urls": urls})
         log.info("waiting for a head to call (recorded in %s)", edge.path)
-        return await accept_one(tcp + [unix], key)
+        return await accept_one(listeners, key)
     finally:
         with trio.CancelScope(shield=True):
-            for listener in tcp + [unix]:
+            for listener in listeners:
                 await listener.aclose()
         with contextlib.suppress(OSError):
             os.unlink(sock_path)
@@ -8064,36 +8070,37 @@ def _cmd_at_head(args):
 
 
 def _ls_frame(s, address, key, as_json):
-    """``(text, ok)``: what `ls` shows now (``ok``: a head answered)."""
+    """``(text, trouble)``: what `ls` shows now, and why no head's view is in it (None:
+    a head answered)."""
     stats = trio.run(cli_request, address, key, "stats")
+    trouble = None if stats else f"no head is listening at {address}"
     joined = set(stats["joined_job_ids"]) if stats else set()
     submitted = submitted_jobs(JobBook(address), s, joined)
     if as_json:
         return json.dumps(dict(stats or {}, head=stats is not None, address=address,
-                               submitted=submitted), indent=1, default=str), stats is not None
+                               submitted=submitted), indent=1, default=str), trouble
     if stats is None:
-        return "\n".join(format_jobs(submitted)[1:] +
-                         [f"no head is listening at {address}"]), False
-    return "\n".join([format_ls(stats)] + format_jobs(submitted)), True
+        return "\n".join(format_jobs(submitted)[1:]), trouble
+    return "\n".join([format_ls(stats)] + format_jobs(submitted)), None
 
 
 def _cmd_ls(args):
     s, address, key = _cli_target(args)
     if args.watch is None:
-        text, ok = _ls_frame(s, address, key, args.json)
-        if not ok and not args.json:
-            before, _, last = text.rpartition("\n")
-            if before:
-                print(before)
-            raise GrainError(last)
-        print(text)
-        return 0 if ok else 1
+        text, trouble = _ls_frame(s, address, key, args.json)
+        if text:
+            print(text)
+        if trouble and not args.json:
+            raise GrainError(trouble)
+        return 1 if trouble else 0
     if args.watch <= 0:
         raise UsageError(f"--watch takes a number of seconds above 0, got {args.watch:g}")
     redraw = "\x1b[H\x1b[J" if sys.stdout.isatty() else ""  # home, clear: in place
     try:
         while True:
-            text, _ = _ls_frame(s, address, key, args.json)
+            text, trouble = _ls_frame(s, address, key, args.json)
+            if trouble and not args.json:
+                text = f"{text}\n{trouble}".lstrip("\n")
             stamp = time.strftime("%H:%M:%S")
             sys.stdout.write(f"{redraw}{text}\n" if args.json else
                              f"{redraw}{address} at {stamp} (every {args.watch:g} s; Ctrl-C "
