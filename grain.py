@@ -4799,8 +4799,8 @@ class Reunion:
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
-            for wire, job in list(self.requeued.items()):
-                if job.state in ("done", "failed"):
+            for wire, job in list(self.requeued.items()):  # no worker can claim these now:
+                if job.state != "queued" or getattr(job.queue, "gone", False):  # (or theirs)
                     del self.requeued[wire]
             old = self.clock() - ORPHAN_WAIT_S
             for wire, (w, since) in list(self.running.items()):

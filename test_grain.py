@@ -3733,6 +3733,26 @@ async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autoj
         nursery.cancel_scope.cancel()
 
 
+@trio_test
+async def test_a_head_forgets_the_held_jobs_no_worker_can_claim_any_more(autojump_clock):
+    reunion = grain.Reunion(None, clock=trio.current_time, withdraw=lambda job: True)
+    mine, other = grain.MissionQueue(None, {"name": "a"}), grain.MissionQueue(None, {})
+    jobs = {}
+    for wire, queue in (("started", mine), ("waits", mine), ("its mission left", other)):
+        jobs[wire] = j = grain.Job(wire, Cores(1), None, (), {}, queue)
+        j.wire = wire
+        assert reunion.offer(j, hold=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reunion.run, lambda job: None)
+        await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
+        assert set(reunion.requeued) == set(jobs)     # queued again: a worker may yet come
+        jobs["started"].state = "running"             # it runs elsewhere now
+        other.gone = True                             # a mission left the daemon
+        await trio.sleep(grain.ORPHAN_WAIT_S / 5)
+        assert set(reunion.requeued) == {"waits"}
+        nursery.cancel_scope.cancel()
+
+
 def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
     async def apply(f, x):
         return f(x)
