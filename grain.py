@@ -3473,6 +3473,7 @@ class _KeyPickler(pickle.Pickler):
         return None
 
 
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
 _CORES_KEYS = {}  # N -> the request part of the key of Cores(N), the common request
 
 
@@ -3491,19 +3492,23 @@ def _request_key(req):
 def job_key(fn_digest, args, kwargs, req):
     """The store key of a job: its function's digest, its arguments pickled the same way in
     every run, and its request (but for WTime: time limits do not change what a job
-    computes). TypeError when its arguments cannot be pickled."""
+    computes). TypeError when its arguments cannot be pickled. (Keys must not change
+    between versions: a store's entries would no longer be found.)"""
     try:
-        # Plain pickle first (fast); its bytes are the same in every run unless they hold
-        # a set (EMPTY_SET or FROZENSET, whatever else may hold those bytes: then again
-        # with the pickler that sorts sets)
-        data = b"a" + pickle.dumps(args, protocol=4) if not kwargs else b""
-        if not data or 0x8F in data or 0x91 in data:
-            buf = io.BytesIO()
-            _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
-            data = b"k" + buf.getvalue()
+        if not kwargs and _PLAIN.issuperset(map(type, args)):  # the common case, fast
+            data = b"a" + pickle.dumps(args, protocol=4)
+        else:
+            # The standard pickler's bytes, which are the set-sorting pickler's unless they
+            # hold a set (EMPTY_SET or FROZENSET; whatever else holds those bytes too)
+            data = pickle.dumps((args, dict(kwargs)), protocol=4)
+            if 0x8F in data or 0x91 in data:
+                buf = io.BytesIO()
+                _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
+                data = buf.getvalue()
+            data = b"k" + data
     except Exception as e:
         raise TypeError(f"{e}") from None
-    return hashlib.blake2b(fn_digest + data + _request_key(req), digest_size=20).hexdigest()
+    return hashlib.sha256(fn_digest + data + _request_key(req)).hexdigest()[:40]
 
 
 _STORE_INSERT = ("INSERT INTO results_log VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
@@ -3542,16 +3547,19 @@ while True:
 
 
 _INT64 = 2 ** 63
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a text UTF-8 cannot hold (a file name's)
 
 
 def _stored_value(value, pickled=None):
     """A result as the store keeps it: a number or a text as SQLite's own value (no pickling,
     and readable with any SQLite tool), anything else pickled (``pickled``: as its worker
     already did). (Not NaN, which SQLite stores as NULL; not an int beyond 64 bits; not
-    bool, which would come back an int.)"""
+    bool, which would come back an int; not a text with a lone surrogate, as os.listdir
+    gives for a file name that is not UTF-8, which SQLite cannot take.)"""
     kind = type(value)
-    if kind is float and value == value or kind is str or value is None or (
-            kind is int and -_INT64 <= value < _INT64):
+    if kind is float and value == value or value is None or (
+            kind is int and -_INT64 <= value < _INT64) or (
+            kind is str and (value.isascii() or not _SURROGATE.search(value))):
         return value
     return pickled if pickled is not None else dumps_job_value(value, "the result")
 
@@ -4799,9 +4807,9 @@ class Reunion:
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
-            for wire, job in list(self.requeued.items()):  # no worker can claim these now:
-                if job.state != "queued" or getattr(job.queue, "gone", False):  # (or theirs)
-                    del self.requeued[wire]
+            for wire, job in list(self.requeued.items()):  # no worker can claim these now
+                if job.state in ("done", "failed") or getattr(job.queue, "gone", False):
+                    del self.requeued[wire]  # (one running elsewhere may be queued again)
             old = self.clock() - ORPHAN_WAIT_S
             for wire, (w, since) in list(self.running.items()):
                 if since < old:
