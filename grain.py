@@ -3657,6 +3657,11 @@ class ResultStore:
                 if not self._stale_holder():
                     raise
                 continue  # the holder died: its file was removed; take it
+            except OSError as e:
+                where = os.path.dirname(self.path)
+                why = (f"no directory {where}" if not os.path.isdir(where) else
+                       f"cannot create files in {where} ({e.strerror})")
+                raise GrainError(f"results store {self.path}: {why}") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             return
@@ -6177,8 +6182,21 @@ def _as_mains(main):
     return mains
 
 
+class _SetupFailed(Exception):
+    """A mission's set-up failed: its head, its store, its address (``error``, a
+    GrainError, is what run() raises)."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
 async def _run_mission(mains, single, executor_args, executor_kwargs):
-    async with GrainExecutor(*executor_args, **executor_kwargs) as exer:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(GrainExecutor(*executor_args, **executor_kwargs))
+        except GrainError as e:
+            raise _SetupFailed(e) from None
         if single:
             return await mains[0]()
         results = [None] * len(mains)
@@ -6195,14 +6213,22 @@ async def _run_mission(mains, single, executor_args, executor_kwargs):
 def _start_mission(main, executor_args, executor_kwargs, config_file, address,
                    may_attach, name=None, prioritized=False):
     """Run a mission of ``main`` with GrainExecutor's arguments (upstream's positional
-    ``waddrs, rpw`` included) and what the config adds to them."""
+    ``waddrs, rpw`` included) and what the config adds to them. An error in setting it
+    up (the config, the results store, the head) is raised from here, without grain's
+    and trio's frames: the mission did not start, and its one line says what to fix."""
     mains = _as_mains(main)
     _default_logging()
-    options = _mission_options(load_config(config_file), address, executor_args,
-                               executor_kwargs, may_attach and config_file is not False,
-                               name, prioritized)
-    return trio.run(_run_mission, mains, len(mains) == 1 and callable(main),
-                    executor_args, {**executor_kwargs, **options})
+    try:
+        options = _mission_options(load_config(config_file), address, executor_args,
+                                   executor_kwargs, may_attach and config_file is not False,
+                                   name, prioritized)
+    except GrainError as e:
+        raise e.with_traceback(None) from None
+    try:
+        return trio.run(_run_mission, mains, len(mains) == 1 and callable(main),
+                        executor_args, {**executor_kwargs, **options})
+    except _SetupFailed as e:
+        raise e.error.with_traceback(None) from None
 
 
 def run_combine(main, *executor_args, config_file=None, address=None, **executor_kwargs):
@@ -8218,13 +8244,17 @@ def _cmd_down(args):
 
 def _cmd_results(args):
     if not os.path.isfile(args.store):
-        raise UsageError(f"results store {args.store}: no such file")
+        raise UsageError(f"results store {args.store}: " + (
+            "a directory, not a store" if os.path.isdir(args.store) else "no such file"))
+    if args.state and not args.forget:
+        raise UsageError(f"--state {args.state} goes with --forget PATTERN")
     store = ResultStore(args.store).open(hold=bool(args.forget))
     try:
         if args.forget:
             n = store.forget(args.forget, args.state)
             print(f"forgot {n} entr{'y' if n == 1 else 'ies'} of {args.forget!r}"
-                  f"{' (' + args.state + ')' if args.state else ''}")
+                  f"{' (' + args.state + ')' if args.state else ''}"
+                  f"{'' if n else ': none matches (the functions are listed below)'}")
         rows, size = store.summary()
     finally:
         store.close()

@@ -2328,6 +2328,13 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
     env = dict(os.environ, GRAIN_CONFIG=str(bad))
     cp = run_py(GRAIN, "up", "--dry", env=env)
     assert cp.returncode == 2 and "worker.nmae" in cp.stderr
+    # from a mission: run() raises it, without grain's frames (the mission did not start)
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); from grain.delayed import run\n"
+            f"async def main(): pass\nrun(main, config_file={str(bad)!r})")
+    cp = run_py("-c", code)
+    assert cp.stderr.strip().splitlines()[-1].startswith(
+        f"grain.ConfigError: {bad}: unknown key 'worker.nmae'")
+    assert cp.stderr.count('File "') <= 3, cp.stderr
 
 
 def test_render_slurm_script():
@@ -3433,6 +3440,10 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     reopened = grain.ResultStore(path).open()
     assert reopened.states == {"k1": "done", "k2": "failed"}
     reopened.close()
+    cp = run_py(GRAIN, "results", str(path), "--state", "failed")
+    assert cp.returncode == 2 and "--state failed goes with --forget" in cp.stderr
+    cp = run_py(GRAIN, "results", str(path), "--forget", "nomatch*")
+    assert cp.returncode == 0 and "forgot 0 entries of 'nomatch*': none matches" in cp.stdout
     cp = run_py(GRAIN, "results", str(path), "--forget", "g*", "--state", "failed")
     assert cp.returncode == 0 and "forgot 1 entry of 'g*' (failed)" in cp.stdout
     assert "g " not in cp.stdout.split("forgot")[1].split("\n", 1)[1]
@@ -3451,6 +3462,19 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     assert cp.returncode != 0 and cp.stderr.count("\n") == 1 and str(path) in cp.stderr
     cp = run_py(GRAIN, "results", str(tmp_path / "none.db"))
     assert cp.returncode == 2 and "none.db: no such file" in cp.stderr
+    cp = run_py(GRAIN, "results", str(tmp_path))
+    assert cp.returncode == 2 and "a directory, not a store" in cp.stderr
+    # a mission whose store cannot be: the error from run(), without grain's frames
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); from grain.delayed import run; "
+            "from grain.resource import Cores\nasync def main(): pass\n"
+            f"run(main, local=Cores(1), config_file=False, results={str(path)!r})")
+    cp = run_py("-c", code)
+    last = cp.stderr.strip().splitlines()[-1]
+    assert cp.returncode == 1 and last.startswith(f"grain.GrainError: results store {path}")
+    assert "trio" not in cp.stderr and cp.stderr.count('File "') <= 3, cp.stderr
+    cp = run_py("-c", code.replace(str(path), str(tmp_path / "nodir" / "r.db")))
+    assert cp.stderr.strip().splitlines()[-1] == \
+        f"grain.GrainError: results store {tmp_path}/nodir/r.db: no directory {tmp_path}/nodir"
 
 
 def test_the_store_is_a_log_whose_newest_row_counts_and_an_older_format_is_converted(tmp_path):
