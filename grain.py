@@ -837,6 +837,14 @@ def _part(res, kind):
     return res._parts().get(kind) if type(res) is ResourceSet else None
 
 
+def request_text(req):
+    """A request as the code that makes it, ``Cores(N=4) & Memory(M=8)``, for `ls` and
+    explain: its repr, upstream's, names core ids (``CPU_Cores([0-3])``), which reads as
+    "these cores" where a job asks for any four."""
+    return " & ".join(f"{kind}({', '.join(f'{k}={v!r}' for k, v in part._args().items())})"
+                      for kind, part in req._parts().items()) or repr(req)
+
+
 ###############################################################################
 # Resource kinds ##############################################################
 ###############################################################################
@@ -4633,7 +4641,7 @@ class Scheduler:
             if q.jobs:
                 job = q.jobs[0]
                 waited = now - q.blocked_since if q.blocked_job is job else 0.0
-                out.append({"queue": q.name, "job": job.name, "request": repr(job.req),
+                out.append({"queue": q.name, "job": job.name, "request": request_text(job.req),
                             "waited": round(waited, 1), "reason": self._why(q, job, now)})
         return out
 
@@ -4661,7 +4669,7 @@ class Scheduler:
         large = [w for w in workers if w.total.request(req)]
         if not large:
             big = max(workers, key=lambda w: _size_key(w.total))
-            return (f"no worker is large enough: it asks {req!r}; the largest is {big.name} "
+            return (f"no worker is large enough: it asks {request_text(req)}; the largest is {big.name} "
                     f"with {big.offered!r}")
         room = [w for w in large if w.res.request(req)]
         if room:
@@ -4992,7 +5000,7 @@ class HeadService:
                 "failed": tally.counts["failed"], "retried": tally.counts["retried"],
                 "retried_by_class": dict(tally.retried_by_class),
                 "failed_by_class": dict(tally.failed_by_class),
-                "next": repr(st.next_request) if st.next_request is not None else None,
+                "next": request_text(st.next_request) if st.next_request is not None else None,
                 "waiting": self.owner.scheduler.explain()}
 
     def quit(self, pattern, force):

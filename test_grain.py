@@ -4240,7 +4240,7 @@ async def test_explain_says_why_the_oldest_job_waits_with_real_workers(workers, 
             (Cores(1) & Token("gpu"), "its token 'gpu' matches no worker (their tokens: cpu)"),
             (Cores(1) & WTime(T="1:00:00"), "every worker has less walltime left than its "
                                            "softT 1:00:00: the most is 0:0"),
-            (Cores(4), "no worker is large enough: it asks CPU_Cores([0-3]); the largest is "
+            (Cores(4), "no worker is large enough: it asks Cores(N=4); the largest is "
                        "node with CPU_Cores([0-1]) & Token(cpu) & Walltime(")]:
         with trio.CancelScope() as scope:
             async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
