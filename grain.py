@@ -7118,8 +7118,9 @@ class WorkerProcess:
             scope.cancel()
 
     def on_fin(self):
-        log.info("the mission ended; leaving after %d running job(s)", len(self.running))
-        self.leave_after_jobs = "the mission ended"
+        log.info("the head said goodbye (its mission ended, or it was stopped); leaving "
+                 "after %d running job(s)", len(self.running))
+        self.leave_after_jobs = "the head said goodbye"
         if not self.running:
             self._finish()
 
@@ -7883,7 +7884,9 @@ def format_ls(stats):
                          f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
                          f"{m['failed']} failed")
     sw = stats.get("swarm")
-    if sw is not None:
+    if sw is not None and not sw["target"] and not sw["pending"]:
+        lines.append("swarm: autoscaling is off (`grain.py scale N` turns it on)")
+    elif sw is not None:
         pending = ", ".join(sw["pending"]) or "none"
         lines.append(f"swarm: target {sw['target']}, {sw['joined']} joined, "
                      f"{len(sw['pending'])} submitted not joined ({pending}); quota "

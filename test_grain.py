@@ -1276,7 +1276,7 @@ async def test_remote_worker_over_tcp(workers):
             assert cores == allowed[:1]   # the allocated slice of the worker's real cpuset
     assert await wait_exit(w) == 0           # FIN at mission end: it leaves cleanly
     log_text = w.log_path.read_text()
-    assert "the mission ended" in log_text and "lost the head" not in log_text
+    assert "the head said goodbye" in log_text and "lost the head" not in log_text
 
 
 class OnlyItsWorkerPickles:
@@ -2039,7 +2039,7 @@ def test_an_idle_head_daemon_quits_and_cleans_up(tmp_path, workers):
         head.kill()
     err = head.stderr.read()
     assert "no mission for 0:00:02; stopping" in err
-    assert w.wait(15) == 0 and "the mission ended" in w.log_path.read_text()
+    assert w.wait(15) == 0 and "the head said goodbye" in w.log_path.read_text()
     assert not os.path.exists(sock)
     assert _json.loads(edge.read_text())["listener"] is None
 
@@ -2189,7 +2189,7 @@ def test_the_swarm_quota_holds_when_workers_crash_at_start(tmp_path, workers):
     head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
                             cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
-        d.wait_ls("swarm: target 0")
+        d.wait_ls("swarm: autoscaling is off")
         scale = d.cli("scale", "2")      # on the fly
         assert scale.returncode == 0 and "swarm target: 2 worker(s)" in scale.stdout
         ls = d.wait_ls("swarm: quota reached: 3 submissions", timeout=60)
