@@ -3918,14 +3918,15 @@ class MissionResults:
     def record(self, job, value, error, kind, pickled=None):
         """Remember how ``job`` ended (``pickled``: its value as its worker sent it)."""
         try:
-            data = _stored_value(value, pickled) if error is None else dumps_job_value((error, ""), "the exception")
+            data = (_stored_value(value, pickled) if error is None else
+                    dumps_job_value((error, ""), "the exception"))
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
         if self._sent:  # (jobs in worker processes only)
             self._sent.pop(job.wire, None)
-        self.store.record(job.wire, self._functions[job.fn][1],
-                          "done" if error is None else "failed", data,
+        name = (self._functions.get(job.fn) or self._function(job.fn))[1]
+        self.store.record(job.wire, name, "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
 
@@ -4669,8 +4670,8 @@ class Scheduler:
         large = [w for w in workers if w.total.request(req)]
         if not large:
             big = max(workers, key=lambda w: _size_key(w.total))
-            return (f"no worker is large enough: it asks {request_text(req)}; the largest is {big.name} "
-                    f"with {big.offered!r}")
+            return (f"no worker is large enough: it asks {request_text(req)}; the largest "
+                    f"is {big.name} with {big.offered!r}")
         room = [w for w in large if w.res.request(req)]
         if room:
             held = [w for w in room if w.reserved_for is not None]
