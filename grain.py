@@ -4026,12 +4026,16 @@ def unpickle_result(job, ok, data, where):
     becomes a note of the error)."""
     try:
         value = loads_job_value(data)
+        if not ok:
+            error, tb = value
+            if not isinstance(error, BaseException) or not isinstance(tb, str):
+                raise TypeError(f"an exception and its traceback were expected, got "
+                                f"{value!r:.80}")
     except Exception as e:
         return None, GrainError(f"the result of job {job.name} could not be unpickled "
                                 f"here: {e}")
     if ok:
         return value, None
-    error, tb = value
     if tb:
         add_note(error, f"Traceback on worker {where}:\n{tb.rstrip()}")
     return None, error
@@ -4213,6 +4217,14 @@ class RemoteWorker(Worker):
         return digest
 
     def start(self, job):
+        alloc = self.orphans.pop(job.wire, None)
+        if alloc is not None:  # it runs here already: this worker came back with it
+            self.res.dealloc(job.alloc)
+            self.running -= 1
+            job.alloc = alloc
+            self.owner.reunion.running.pop(job.wire, None)  # (not to be cancelled)
+            self.jobs[job.wire] = job
+            return
         digest = self._send_function(job.fn)
         self.jobs[job.wire] = job
         self.channel.send(("run", job.wire, digest, job.payload, job.alloc, job.T))
@@ -4875,6 +4887,9 @@ class HeadService:
                                                                  channel)}, first, peer)
         except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
             log.warning("connection from %s dropped: %s", peer, e)
+        except Exception:  # a message we misread: the head goes on (and says what it was)
+            log.exception("connection from %s dropped: a message it sent could not be "
+                          "handled", peer)
 
     async def dial_passive(self, url, assign):
         """Dial a passive worker (``worker --listen``) and give it ``assign`` to offer."""
@@ -4888,6 +4903,11 @@ class HeadService:
 
     # -- workers ---------------------------------------------------------------------
     async def _keep_worker(self, channel, info):
+        resume = info.get("resume") if isinstance(info, dict) else None
+        if not isinstance(info, dict) or not isinstance(info.get("res"), Resource) or \
+                not isinstance(resume, (dict, type(None))):
+            raise PeerError(f"a worker's registration must be a dict with its resources "
+                            f"(and a dict of the jobs it runs), got {info!r:.80}")
         sworker = info.get("sworker")
         args = (info["res"], info["name"])
         more = (channel, info.get("pid"), info.get("host"), info.get("job_id"))
@@ -4908,8 +4928,13 @@ class HeadService:
         self.joined_job_ids.add(info.get("job_id"))
         if self.job_book is not None and info.get("job_id"):
             await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
-        for wire, alloc in (info.get("resume") or {}).items():  # it ran them while alone
-            self.owner.reunion.worker_runs(w, wire, alloc)
+        try:
+            for wire, alloc in (info.get("resume") or {}).items():  # it ran them while alone
+                self.owner.reunion.worker_runs(w, wire, alloc)
+        except PeerError as e:  # the jobs adopted from it so far go back to the queue
+            self.owner.reunion.worker_left(w)
+            w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
+            raise
         self.owner.add_worker(w)
         log.info("worker %s %s from %s (pid %s) with %r", w.name,
                  "came back" if info.get("resume") is not None else "joined", channel.peer,
@@ -6934,10 +6959,14 @@ class WorkerProcess:
         self.done = trio.Event()
 
     def send(self, msg):
-        if self.channel is not None:
-            self.channel.send(msg)
-        else:
+        """To the head; while there is none, to the outbox. A result sent is remembered
+        for a while: the head may go before it reads it."""
+        if self.channel is None:
             self.outbox.append(msg)
+            return
+        self.channel.send(msg)
+        if msg[0] == "done":
+            self._remember(msg)
 
     async def serve(self, stream, res, reconnect):
         """Serve the head at ``stream``, offering ``res`` (None: what the head assigns);
@@ -6971,9 +7000,9 @@ class WorkerProcess:
             channel.send(("register", dict(hello, res=self.res)))
             log.info("worker %s %s with %r", self.name,
                      "registered again" if "resume" in hello else "registered", self.res)
-            for msg in self.outbox:
-                channel.send(msg)
-            self.outbox, self.channel = [], channel
+            outbox, self.outbox, self.channel = self.outbox, [], channel
+            for msg in outbox:
+                self.send(msg)
             with trio.CancelScope() as self._attending:
                 lost = await self._receive(channel)
         self.channel = None
@@ -7006,6 +7035,7 @@ class WorkerProcess:
 
     def _lost(self, how):
         """The head went without a goodbye: wait for another (True), or leave."""
+        self.channel = None  # (what jobs send from now on waits in the outbox)
         if self.reattach <= 0:
             log.warning("lost the head (%s); leaving", how)
             self.done.set()
@@ -7043,6 +7073,9 @@ class WorkerProcess:
             self.functions[digest] = e
 
     def on_run(self, jid, digest, payload, alloc, T):
+        if jid in self.running:  # (its result, when it comes, is this one's)
+            log.warning("the head asked to run job %r, which runs here already", jid)
+            return
         self._nursery.start_soon(self._run_job, jid, self.functions.get(digest), payload,
                                  alloc, T)
 
@@ -7076,8 +7109,6 @@ class WorkerProcess:
                 reply = (False, data, failure_class(e))
             msg = ("done", jid, *reply[:2], trio.current_time() - started, *reply[2:])
             self.send(msg)
-            if self.reattach > 0 and type(jid) is str:  # a new head may want it again
-                self._remember(msg)
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
             self.cancelled.discard(jid)
@@ -7090,6 +7121,10 @@ class WorkerProcess:
             self.leave(self.leave_after_jobs)
 
     def _remember(self, msg):
+        """Keep a result for RESEND_S, for a new head that may want it again (if its job
+        may outlive this head)."""
+        if self.reattach <= 0 or type(msg[1]) is not str:
+            return
         now = trio.current_time()
         self.recent.append((now, msg))
         while self.recent[0][0] < now - RESEND_S:

@@ -2750,6 +2750,86 @@ async def test_a_registered_worker_sending_garbage_is_dropped_not_the_head():
         assert await exer.submit(Cores(1), where_am_i, 5) == (5, os.getpid(), [0], "local")
 
 
+_GATES = {}
+
+
+async def _gated_job():
+    _GATES["running"].set()
+    await _GATES["go"].wait()
+    return 42
+
+
+@trio_test
+async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojump_clock):
+    # The job ends just as the head's connection closes: before or after the worker sees
+    # it close (trio runs the two in either order). Either way the next head gets it.
+    for _ in range(8):
+        _GATES.update(running=trio.Event(), go=trio.Event())
+        heads = trio.open_memory_channel(1)
+
+        async def reconnect():
+            worker_side, head_side = trio.testing.memory_stream_pair()
+            await heads[0].send(head_side)
+            return worker_side
+
+        worker = grain.WorkerProcess("w", {"name": "w"}, reattach=60.0)
+        worker_side, head1 = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.serve, worker_side, Cores([0, 1]), reconnect)
+            frames = grain.FrameStream(head1)
+            assert pickle.loads(await frames.receive())[0] == "register"
+            for msg in (("fn", "d", grain.dumps_job_value(_gated_job, "")),
+                        ("run", "key#0", "d", grain.NO_ARGS_PAYLOAD, Cores([0]), None)):
+                await head1.send_all(grain.encode_frame(grain.dumps_control(msg)))
+            await _GATES["running"].wait()
+            await head1.aclose()   # the head goes...
+            _GATES["go"].set()     # ...as the job ends
+            frames = grain.FrameStream(await heads[1].receive())
+            got = [pickle.loads(await frames.receive())[:3] for _ in range(2)]
+            assert got[0][0] == "register" and got[1] == ("done", "key#0", True)
+            nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_malformed_registration_is_refused_and_costs_no_job():
+    mission = grain.MissionQueue(_FakeChannel(), {"name": "m", "token": "T"})
+    daemon = grain.HeadDaemon("tcp://127.0.0.1:0", b"k" * 32)
+    daemon.scheduler.add_queue(mission)
+    job = grain.Job(1, Cores(1), None, None, None, mission)
+    job.ref, job.wire = 1, "T/1"
+    assert daemon.reunion.offer(job, hold=True)   # held for its worker, which comes back...
+    for info in [{"name": "w", "res": Cores(4), "resume": {"T/1": Cores([0]), "T/2": 5}},
+                 ["not", "a", "dict"], {"name": "w", "res": 4},
+                 {"name": "w", "res": Cores(1), "resume": [1]}]:
+        head_side, fake_side = trio.testing.memory_stream_pair()
+        await fake_side.send_all(grain.encode_frame(grain.dumps_control(("register", info))))
+        await daemon.service.handle_connection(head_side, "fake-peer")  # returns: dropped
+    # ...saying nonsense of another job: the one it had was adopted, then given back
+    assert job.state == "queued" and list(mission.jobs) == [job] and not daemon.scheduler.workers
+    # a failure that is not an exception and its traceback: an error, not a crash
+    for sent in [(1, 2, 3), (1, "a traceback")]:
+        value, error = grain.unpickle_result(job, False, grain.dumps_job_value(sent, ""), "w")
+        assert value is None and "could not be unpickled" in str(error)
+
+
+def test_a_job_a_returning_worker_still_runs_is_adopted_not_started_twice():
+    sched = grain.Scheduler()
+    queue = grain.JobQueue("m")
+    sched.add_queue(queue)
+    reunion = grain.Reunion(None)
+    w = _returning_worker(2)
+    w.owner = types.SimpleNamespace(reunion=reunion, job_sent=lambda job: None,
+                                    function_bytes=lambda fn: ("d", b""))
+    reunion.worker_runs(w, "a", Cores([1]))     # back with "a", which no job claimed yet
+    sched.add_worker(w)
+    job = grain.Job("a", Cores(1), None, (), {}, queue)
+    job.wire = "a"
+    sched.push(job)                            # "a" was queued again meanwhile
+    assert job.worker is w and w.jobs == {"a": job} and job.alloc.c == [1]
+    assert not [m for m in w.channel.sent if m[0] == "run"]   # not run a second time
+    assert w.res.c == [0] and w.running == 1 and "a" not in reunion.running  # not cancelled
+
+
 @trio_test
 async def test_a_failed_mission_stops_its_remote_jobs(workers, tmp_path):
     pidfile = tmp_path / "pids"
