@@ -3643,6 +3643,12 @@ class ResultStore:
         return found[0] if found else None
 
     def _create_or_convert(self):
+        tables = sorted(name for (name,) in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"))
+        if tables and "meta" not in tables:  # (not to be written into)
+            raise GrainError(f"results store {self.path} is an SQLite database of something "
+                             f"else (its tables: {', '.join(tables[:5])}), not a results "
+                             "store; name another file")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
         with self._db:
             self._db.execute("BEGIN")
@@ -5997,6 +6003,12 @@ class GrainExecutor:
         return self
 
     async def _open(self):
+        if self.report:  # a report it could not write at the end: said now
+            where = os.path.dirname(os.path.abspath(self.report))
+            if os.path.isdir(self.report) or not os.path.isdir(where):
+                raise GrainError(f"report {self.report}: " + (
+                    "a directory, not a file" if os.path.isdir(self.report) else
+                    f"no directory {where}"))
         if self.stored is not None:  # first: a store another mission holds stops us here
             await trio.to_thread.run_sync(self.stored.store.open)
             self._stack.callback(self.stored.store.close)
@@ -6066,8 +6078,12 @@ class GrainExecutor:
             log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
                      self.record.summary(self._jobs))
             if self.report:
-                self.record.write_html(self.report, self._jobs,
-                                       f"grain mission {os.path.basename(sys.argv[0])}")
+                try:
+                    self.record.write_html(self.report, self._jobs,
+                                           f"grain mission {os.path.basename(sys.argv[0])}")
+                except OSError as e:  # (not worth the mission's result)
+                    log.error("the mission report %s could not be written: %s", self.report,
+                              e.strerror or e)
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:

@@ -3544,6 +3544,13 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     assert cp.returncode == 2 and "none.db: no such file" in cp.stderr
     cp = run_py(GRAIN, "results", str(tmp_path))
     assert cp.returncode == 2 and "a directory, not a store" in cp.stderr
+    other = tmp_path / "other.db"   # somebody's own database: never written into
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE samples (x)")
+    before = other.read_bytes()
+    cp = run_py(GRAIN, "results", str(other), "--forget", "*")
+    assert cp.returncode != 0 and "an SQLite database of something else (its tables: " \
+        "samples)" in cp.stderr and other.read_bytes() == before
     # a mission whose store cannot be: the error from run(), without grain's frames
     code = (f"import sys; sys.path.insert(0, {HERE!r}); from grain.delayed import run; "
             "from grain.resource import Cores\nasync def main(): pass\n"
@@ -4531,6 +4538,22 @@ def test_the_mission_report_renders_in_a_real_browser(tmp_path):
                                           "--window-size=1200,900", browser[-1]],
                           capture_output=True, text=True, timeout=120)
     assert shot.returncode == 0 and (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_report_that_cannot_be_written_costs_the_mission_nothing(tmp_path, caplog):
+    async def main():
+        gone.rmdir()   # its directory goes while the mission runs
+        return 7
+
+    with pytest.raises(grain.GrainError, match=f"no directory {tmp_path}/none$"):
+        run(main, local=Cores(1), config_file=False, report=str(tmp_path / "none" / "r.html"))
+    with pytest.raises(grain.GrainError, match="a directory, not a file"):
+        run(main, local=Cores(1), config_file=False, report=str(tmp_path))
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with caplog.at_level(logging.ERROR, logger="grain"):
+        assert run(main, local=Cores(1), config_file=False, report=str(gone / "r.html")) == 7
+    assert f"the mission report {gone}/r.html could not be written" in caplog.text
 
 
 def test_a_report_of_ten_thousand_jobs_stays_readable(tmp_path):
