@@ -89,6 +89,7 @@ import bisect
 import contextlib
 import contextvars
 import copy
+import errno
 import fnmatch
 import functools
 import hashlib
@@ -1813,7 +1814,19 @@ def _ipv4_addresses():
 
 
 async def open_listeners(url):
-    """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them."""
+    """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them
+    (GrainError naming the URL when it cannot be listened on)."""
+    try:
+        return await _open_listeners(url)
+    except OSError as e:
+        why = {errno.EADDRINUSE: "another process listens there already",
+               errno.EADDRNOTAVAIL: "no interface of this machine has that address",
+               errno.ENOENT: "its directory does not exist"}.get(
+                   e.errno, e.strerror or str(e))
+        raise GrainError(f"cannot listen at {url}: {why}") from None
+
+
+async def _open_listeners(url):
     scheme, host, where = parse_url(url)
     if scheme == "tcp":
         listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")

@@ -1656,6 +1656,20 @@ def test_worker_bad_input(args, message):
     assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
 
 
+def test_an_address_that_cannot_be_listened_on_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for url, why in [("unix:///no/such/dir/s", "its directory does not exist"),
+                         ("tcp://192.0.2.1:5000", "no interface of this machine has that "
+                                                  "address"),
+                         (f"tcp://127.0.0.1:{port}", "another process listens there already")]:
+            cp = run_py(GRAIN, "worker", "--listen", url)
+            assert cp.returncode == 1 and cp.stderr == \
+                f"grain.py worker: cannot listen at {url}: {why}\n", cp.stderr
+
+
 def test_worker_without_a_head_at_a_tcp_address():
     cp = run_py(GRAIN, "worker", "--url", "tcp://127.0.0.1:1")
     assert cp.returncode == 1 and "Traceback" not in cp.stderr
