@@ -2722,7 +2722,7 @@ def _want_count(v):
 
 
 def _want_gb(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
         raise TypeError("a number of GB >= 0 (0: do not ask)")
     return v
 
@@ -2969,7 +2969,8 @@ def find_config_path(config_file=None):
     """``-c PATH``, else $GRAIN_CONFIG, else ./grain.toml; None when none exists."""
     if config_file:
         if not os.path.isfile(config_file):
-            raise ConfigError(f"config file {config_file} does not exist")
+            raise ConfigError(f"config file {config_file} " + (
+                "is a directory" if os.path.isdir(config_file) else "does not exist"))
         return os.path.abspath(config_file)
     env = os.environ.get("GRAIN_CONFIG")
     if env:
@@ -2988,8 +2989,14 @@ def load_config(config_file=None):
     if path is None:
         log.info("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
         return Config()
-    with open(path, encoding="utf-8") as f:
-        return parse_config(f.read(), path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = f"not UTF-8 text ({e.reason} at byte {e.start})" if isinstance(
+            e, UnicodeDecodeError) else e.strerror or str(e)
+        raise ConfigError(f"{path}: cannot be read: {why}") from None
+    return parse_config(text, path)
 
 
 ###############################################################################
@@ -8195,6 +8202,9 @@ def _ls_frame(s, address, key, as_json):
 
 
 def _cmd_ls(args):
+    if args.watch is not None and not 0 < args.watch <= 86400:  # (NaN too)
+        raise UsageError(f"--watch takes a number of seconds above 0 (a day at most), got "
+                         f"{args.watch:g}")
     s, address, key = _cli_target(args)
     if args.watch is None:
         text, trouble = _ls_frame(s, address, key, args.json)
@@ -8203,8 +8213,6 @@ def _cmd_ls(args):
         if trouble and not args.json:
             raise GrainError(trouble)
         return 1 if trouble else 0
-    if args.watch <= 0:
-        raise UsageError(f"--watch takes a number of seconds above 0, got {args.watch:g}")
     redraw = "\x1b[H\x1b[J" if sys.stdout.isatty() else ""  # home, clear: in place
     try:
         while True:

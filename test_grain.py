@@ -2312,6 +2312,7 @@ def test_config_overrides_and_defaults(tmp_path):
     ("[script]\ncores = 'four'", "x.toml: script.cores: expected a whole number >= 0, "
                                  "got 'four'"),
     ("[script]\nmemory = -3", "x.toml: script.memory: expected a number of GB >= 0"),
+    ("[script]\nmemory = inf", "x.toml: script.memory: expected a number of GB >= 0"),
     ("[head.gnaw]\nenabled = 'no'", "x.toml: head.gnaw.enabled: expected true or false"),
     ("[head.gnaw]\nmax_con = 3", "x.toml: unknown key 'head.gnaw.max_con'"),
     ("[script]\nwalltime = '25:61:00'", "x.toml: script.walltime: expected a walltime"),
@@ -2339,6 +2340,12 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
                                     "script, specialized_type, system)"
     cp = run_py(GRAIN, "up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
+    cp = run_py(GRAIN, "up", "-c", str(tmp_path))
+    assert cp.returncode == 2 and "is a directory" in cp.stderr
+    (tmp_path / "latin1.toml").write_bytes(b"name = '\xe9'\n")
+    cp = run_py(GRAIN, "ls", "-c", str(tmp_path / "latin1.toml"))
+    assert cp.returncode == 2 and cp.stderr == f"grain.py ls: {tmp_path}/latin1.toml: cannot " \
+        "be read: not UTF-8 text (invalid continuation byte at byte 8)\n"
     env = dict(os.environ, GRAIN_CONFIG=str(bad))
     cp = run_py(GRAIN, "up", "--dry", env=env)
     assert cp.returncode == 2 and "worker.nmae" in cp.stderr
@@ -4423,9 +4430,10 @@ def test_ls_watch_redraws_until_interrupted(tmp_path):
     finally:
         p.send_signal(signal.SIGINT)
     assert p.wait(10) == 0 and frames == 3
-    with pytest.raises(subprocess.CalledProcessError):
-        subprocess.run([sys.executable, GRAIN, "ls", "--watch", "0", "-a", "tcp://x:1"],
-                       check=True, capture_output=True)
+    for bad in ("0", "nan", "inf"):
+        cp = run_py(GRAIN, "ls", "--watch", bad, "-a", "tcp://x:1")
+        assert cp.returncode == 2 and cp.stderr.startswith("grain.py ls: --watch takes a "
+                                                           "number of seconds above 0")
 
 
 PROGRESS_MISSION = textwrap.dedent("""
