@@ -4667,7 +4667,8 @@ class Scheduler:
             else:
                 where = ("no worker has joined yet (give run() local=..., or start workers "
                          "with `python grain.py up`)")
-            out.append((q, f"job {q.blocked_job.name} requesting {q.blocked_job.req!r} has "
+            out.append((q, f"job {q.blocked_job.name} requesting "
+                           f"{request_text(q.blocked_job.req)} has "
                            f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
                            "job(s) queued"))
         return out
@@ -5710,6 +5711,7 @@ class MissionSetup:
     context: object = None         # grain_context of the context module, for local jobs
     job_log: str = None            # where local jobs print (head.log_file)
     backendless: tuple = ()        # (module, resources) of backendless specialized workers
+    workers_fixed: bool = False    # no other worker can join (run() listening nowhere)
 
 
 async def _enter_backendless(stack, module, res):
@@ -5776,6 +5778,7 @@ class GrainExecutor:
             self, self.mission.attach, self.mission.info, max_frame)
         # jobs may leave this process: their function and arguments are pickled at once
         self._remote = bool(listen or waddrs or self._link)
+        self._workers_fixed = self.mission.workers_fixed and not self._remote
         self.service = None       # the HeadService, while it runs
         self.stored = MissionResults(results, rerun_failed) if results else None  # the store
         self.report, self.progress = report, progress  # an HTML file; the status line
@@ -5865,6 +5868,9 @@ class GrainExecutor:
                 return
             if self.reunion.offer(job, hold=state == "running"):  # its worker may be back
                 return
+        if self._workers_fixed and not any(w.total.request(req) for w in self.scheduler.workers):
+            self._complete(job, None, self._never_runs(job))
+            return
         self._queue(job)
 
     def _queue(self, job, front=False):
@@ -5990,6 +5996,16 @@ class GrainExecutor:
             await trio.sleep(STUCK_CHECK_S)
             for queue, text in self.scheduler.stuck():
                 queue.warn(text)
+
+    def _never_runs(self, job):
+        """The error of a job no worker of a mission no other worker can join can run (run()
+        with address=False): failed at once, where it would wait forever."""
+        big = max(self.scheduler.workers, key=lambda w: _size_key(w.total), default=None)
+        return GrainError(f"job {job.name} asks {request_text(job.req)}, more than any worker "
+                          "of this mission has" + (f" (the largest: {big.name} with "
+                                                   f"{big.offered!r})" if big else "") +
+                          ", and no other worker can join it (it listens at no address): "
+                          "it can never run")
 
     # -- as a head ------------------------------------------------------------------
     def statistics(self):
@@ -6342,7 +6358,7 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
                   "pid": os.getpid(), "host": hostname(), "prioritized": bool(prioritized)})}
     watch = worker.system and address  # jobs that end unjoined are reported
     return {"listen": address or None, "key": key, "mission": MissionSetup(
-        listen_optional=True,
+        listen_optional=True, workers_fixed=not address and not waddrs,
         job_book=(worker.system, JobBook(worker.dial), worker.custom_system) if watch else None,
         context=load_context(head.contextmod) if head.contextmod else None,
         job_log=os.path.abspath(_stamp(head.log_file, time.time())) if head.log_file else None,

@@ -541,7 +541,7 @@ def test_scheduler_warns_of_a_stuck_queue_then_every_repeat():
     assert p.sched.stuck() == []
     p.now = grain.STUCK_WARN_S
     ((queue, text),) = p.sched.stuck()
-    assert "requesting CPU_Cores([0-15]) has fitted no worker for 60 s; the largest worker " \
+    assert "requesting Cores(N=16) has fitted no worker for 60 s; the largest worker " \
            "is small with CPU_Cores([0-1]) & Memory(4GB); 1 job(s) queued" in text
     p.now += grain.STUCK_REPEAT_S - 1
     assert p.sched.stuck() == []
@@ -685,13 +685,14 @@ async def test_stuck_queue_warns_with_the_request_and_largest_worker(autojump_cl
     async def job():
         pass
 
-    with caplog.at_level(logging.WARNING, logger="grain"):
-        async with grain.GrainExecutor(rpw=Cores(2) & Memory(4)) as exer:
+    with caplog.at_level(logging.WARNING, logger="grain"):  # (a worker may join it: it waits)
+        async with grain.GrainExecutor(rpw=Cores(2) & Memory(4),
+                                       listen="tcp://127.0.0.1:0") as exer:
             j = exer.submit(Node(16, 10), job)
             await trio.sleep(STUCK := grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
             warnings = [r.getMessage() for r in caplog.records]
             assert len(warnings) == 1
-            assert "requesting CPU_Cores([0-15]) & Memory(10GB) has fitted no worker for" in \
+            assert "requesting Cores(N=16) & Memory(M=10) has fitted no worker for" in \
                 warnings[0]
             assert re.search(r"largest worker is local with CPU_Cores\(\[\d+-\d+\]\) & "
                              r"Memory\(4GB\)", warnings[0])
@@ -4120,19 +4121,20 @@ def test_script_gpus_asks_the_batch_system():
     assert "# gpus=2" in grain.render_script(custom.role("worker"), "true")
 
 
-@trio_test
-async def test_a_job_asking_for_more_gpus_than_any_worker_is_named(autojump_clock, caplog):
+def test_a_job_asking_for_more_gpus_than_any_worker_is_named():
     async def job():
         pass
 
-    with caplog.at_level(logging.WARNING, logger="grain"):
-        async with grain.GrainExecutor(rpw=Cores(2) & Gpus(4)) as exer:
-            exer.submit(Cores(1) & Gpus(8), job)
-            await trio.sleep(grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
-            (warning,) = [r.getMessage() for r in caplog.records]
-            assert "job requesting CPU_Cores([0]) & GPUs(8) has fitted no worker" in warning
-            assert "the largest worker is local with CPU_Cores([0-1]) & GPUs(4)" in warning
-            exer.add_local_worker(Cores(1) & Gpus(8), "big")
+    async def main():
+        with pytest.raises(grain.GrainError) as info:
+            await (delayed(job) @ (Cores(1) & Gpus(8)))()
+        return str(info.value)
+
+    # a mission no other worker can join (no address): the job fails, it would never run
+    said = run(main, local=Cores(2) & Gpus(4), address=False, config_file=False)
+    assert said.split(" asks ")[1] == ("Cores(N=1) & Gpus(N=8), more than any worker of this "
+                    "mission has (the largest: local with CPU_Cores([0-1]) & GPUs(4)), and no "
+                    "other worker can join it (it listens at no address): it can never run")
 
 
 def _process_group(pgid):
