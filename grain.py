@@ -3112,17 +3112,18 @@ SYSTEMS = {
     "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
                "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
                "states": _custom_states, "time_left": None, "cpu_ids": None,
-               "job_id_env": "GRAIN_JOB_ID", "hint": "check custom_system.submit_cmd"},
+               "job_id_env": "GRAIN_JOB_ID",
+               "hint": "check custom_system.submit_cmd in grain.toml"},
     "slurm": {"directive": "#SBATCH", "lines": _slurm_lines, "prologue": "",
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
               "states": _slurm_states, "time_left": _slurm_time_left,
               "cpu_ids": _slurm_cpu_ids, "job_id_env": "SLURM_JOB_ID",
-              "hint": "is this a Slurm login node?"},
+              "hint": "is this a Slurm login node? If not, set system in grain.toml"},
     "pbs": {"directive": "#PBS", "lines": _pbs_lines, "prologue": "cd \"$PBS_O_WORKDIR\"",
             "submit": lambda s: ["qsub"], "cancel": lambda c: ["qdel"],
             "states": lambda ids, custom=None: {i: _pbs_state(i) for i in ids},
             "time_left": _pbs_time_left, "cpu_ids": None, "job_id_env": "PBS_JOBID",
-            "hint": "is this a PBS/Torque login node?"},
+            "hint": "is this a PBS/Torque login node? If not, set system in grain.toml"},
 }
 assert set(SYSTEMS) == set(BATCH_SYSTEMS)
 
@@ -3373,8 +3374,10 @@ def _run_command(argv, what, hint):
     try:
         cp = subprocess.run(argv, capture_output=True, text=True, timeout=SUBMIT_S)
     except FileNotFoundError:
-        raise GrainError(f"{argv[0]}: command not found — {hint} set system = ... in "
-                         "grain.toml") from None
+        raise GrainError(f"{argv[0]}: command not found — {hint}") from None
+    except subprocess.TimeoutExpired:
+        raise GrainError(f"{what} failed: {' '.join(argv[:1])} did not return within "
+                         f"{SUBMIT_S:g} s — {hint}") from None
     if cp.returncode != 0:
         msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
         raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
@@ -8325,8 +8328,16 @@ def _cmd_down(args):
                           f"{r.get('system')!r}; cancel it yourself")
                     keep.append(r)
                     continue
-                cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True,
-                                    timeout=SUBMIT_S)
+                try:
+                    cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True,
+                                        timeout=SUBMIT_S)
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    why = (f"did not return within {SUBMIT_S:g} s" if isinstance(
+                        e, subprocess.TimeoutExpired) else e.strerror or str(e))
+                    print(f"job {r['id']} ({r['name']}): {' '.join(cancel)}: {why}; cancel it "
+                          "yourself (custom_system.cancel_cmd, if it is yours)")
+                    keep.append(r)
+                    continue
                 if cp.returncode == 0:
                     print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
                     cancelled += 1

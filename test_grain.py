@@ -2415,8 +2415,8 @@ def test_submit_without_a_batch_system(tmp_path):
                         text=True, env=env, cwd=tmp_path)
     assert cp.returncode == 1
     assert cp.stderr.strip().splitlines()[-1] == (
-        "grain.py up: sbatch: command not found — is this a Slurm login node? set system = "
-        "... in grain.toml")
+        "grain.py up: sbatch: command not found — is this a Slurm login node? If not, set "
+        "system in grain.toml")
     cfg.write_text("")
     cp = run_py(GRAIN, "up", "-c", str(cfg))
     assert cp.returncode == 2 and "no batch system configured" in cp.stderr
@@ -4106,6 +4106,20 @@ def test_a_template_with_its_own_submit_cmd_needs_no_system(tmp_path):
                              'submit_cmd = "sh -c \'echo 4242\'"\n', "x.toml").role("worker")
     script = grain.render_script(cfg, "true")
     assert grain.submit_script(cfg, script) == "4242"
+
+
+def test_a_submit_command_that_fails_to_run_or_to_return_is_one_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grain, "SUBMIT_S", 0.5)
+    for cmd, said in [("/no/such/qsub", "/no/such/qsub: command not found — check "
+                                        "custom_system.submit_cmd in grain.toml"),
+                      ("sh -c 'sleep 30'", "submission failed: sh did not return within 0.5 s — "
+                                   "check custom_system.submit_cmd in grain.toml")]:
+        cfg = grain.parse_config(f'[custom_system]\ntemplate = "#!/bin/sh\\n{{main}}"\n'
+                                 f'submit_cmd = "{cmd}"\n', "x.toml").role("worker")
+        with pytest.raises(grain.GrainError) as info:
+            grain.submit_script(cfg, grain.render_script(cfg, "true"))
+        assert str(info.value) == said
 
 
 def test_script_gpus_asks_the_batch_system():
