@@ -5073,7 +5073,7 @@ class HeadService:
             done.append(f"{w.name}: leaving now; its {w.running} running job(s) will be "
                         "re-queued" if force else f"{w.name}: takes no new jobs; leaves after "
                         f"its {w.running} running job(s)")
-        return {"done": done or [f"no worker matches {pattern!r}"]}
+        return {"done": done or [f"no worker matches {pattern!r}"], "matched": len(done)}
 
 
 ###############################################################################
@@ -7854,6 +7854,10 @@ def build_bundle(packages, out):
 
 def pack(out="grain.pyz", python=None, wheels=None, say=print):
     """Build the bundle for Python ``python`` ("X.Y"; default: this one). Returns its path."""
+    where = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out) or not os.path.isdir(where):  # (said before any download)
+        raise UsageError(f"-o {out}: " + ("a directory, not a file" if os.path.isdir(out)
+                                          else f"no directory {where}"))
     if python:
         m = re.match(r"^(\d+)\.(\d+)$", python)
         if not m:
@@ -8119,7 +8123,10 @@ def _cmd_worker(args):
     if args.max_frame < 1024:
         raise UsageError(f"--max-frame must be at least 1024 bytes, got {args.max_frame}")
     if args.context and not os.path.isfile(args.context):
-        raise UsageError(f"--context {args.context}: no such file")
+        raise UsageError(f"--context {args.context}: " + (
+            "a directory, not a file" if os.path.isdir(args.context) else "no such file"))
+    if args.name is not None and not args.name.strip():
+        raise UsageError("--name takes a name, got an empty one")
     # (quietly: a worker without a config file is the common case)
     config = find_config_path(args.config)
     reattach = load_config(config).role("worker").reattach if config else REATTACH_S
@@ -8138,7 +8145,10 @@ def _cmd_worker(args):
 def _cli_target(args):
     """(worker settings, address, key) for ls/quit."""
     s = load_config(args.config).role("worker")
-    return s, args.address or s.cli_dial, load_auth_key(args.key or s.auth_key or None)
+    key_path = args.key or s.auth_key or None
+    if key_path and not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes none)
+        raise UsageError(f"no key file at {key_path} (a head makes its key when it starts)")
+    return s, args.address or s.cli_dial, load_auth_key(key_path)
 
 
 def submitted_jobs(book, s, joined):
@@ -8183,6 +8193,8 @@ def _cli_call(address, key, *msg):
 
 
 def _cmd_head(args):
+    if args.no_config and args.config:
+        raise UsageError(f"-c {args.config} and --no-config: give one of them")
     cfg = load_config(False if args.no_config else args.config)
     s, worker = cfg.role("head"), cfg.role("worker")
     if args.address:
@@ -8199,10 +8211,10 @@ def _cmd_at_head(args):
         raise UsageError(f"N must be a whole number >= 0, got {args.n}")
     arguments = {"stop": (), "scale": ("n",), "quit": ("pattern", "force")}[args.command]
     s, address, key = _cli_target(args)
-    for line in _cli_call(address, key, args.command,
-                          *(getattr(args, a) for a in arguments))["done"]:
+    reply = _cli_call(address, key, args.command, *(getattr(args, a) for a in arguments))
+    for line in reply["done"]:
         print(line)
-    return 0
+    return 1 if reply.get("matched") == 0 else 0  # (quit: no worker matched the pattern)
 
 
 def _ls_frame(s, address, key, as_json):

@@ -1386,7 +1386,7 @@ async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
         assert exer.retried_by_class == {"worker retired": 1}
         assert await wait_exit(a) == 0
         cp = await trio.to_thread.run_sync(lambda: run_py(GRAIN, "quit", "-a", url, "nobody*"))
-        assert "no worker matches 'nobody*'" in cp.stdout
+        assert "no worker matches 'nobody*'" in cp.stdout and cp.returncode == 1
 
 
 @trio_test
@@ -1650,6 +1650,8 @@ def test_frame_decoder():
     (["--res", '{"Cores": {"N": 9999}}'], "asks for 9999 cores but this process may use only"),
     (["--url", "http://head:80"], "unsupported address scheme 'http'"),
     (["--url", "edge:///no/such/dir/edge"], "directory /no/such/dir does not exist"),
+    (["--name", " "], "--name takes a name, got an empty one"),
+    (["--context", "/tmp"], "--context /tmp: a directory, not a file"),
 ])
 def test_worker_bad_input(args, message):
     cp = run_py(GRAIN, "worker", *args)
@@ -2343,6 +2345,13 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     cp = run_py(GRAIN, "up", "-c", str(tmp_path))
     assert cp.returncode == 2 and "is a directory" in cp.stderr
+    cp = run_py(GRAIN, "head", "-c", str(bad), "--no-config")
+    assert cp.returncode == 2 and "give one of them" in cp.stderr
+    cp = run_py(GRAIN, "ls", "--key", str(tmp_path / "no" / "key"))
+    assert cp.returncode == 2 and "no key file at" in cp.stderr
+    assert not (tmp_path / "no").exists()   # a client makes no key
+    cp = run_py(GRAIN, "pack", "-o", str(tmp_path / "no" / "g.pyz"))
+    assert cp.returncode == 2 and cp.stderr.endswith(f"no directory {tmp_path}/no\n")
     (tmp_path / "latin1.toml").write_bytes(b"name = '\xe9'\n")
     cp = run_py(GRAIN, "ls", "-c", str(tmp_path / "latin1.toml"))
     assert cp.returncode == 2 and cp.stderr == f"grain.py ls: {tmp_path}/latin1.toml: cannot " \
