@@ -275,8 +275,9 @@ def parse_walltime(value, what="walltime"):
     if isinstance(value, bool):
         raise ValueError(f"malformed {what} {value!r}: expected seconds or [d-]hh:mm:ss")
     if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise ValueError(f"{what} must be a non-negative number of seconds, got {value!r}")
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{what} must be a non-negative finite number of seconds, got "
+                             f"{value!r}")
         return value
     if isinstance(value, str):
         s = value.strip()
@@ -826,8 +827,9 @@ def _check_count(value, what):
 
 
 def _check_amount(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{what} must be a non-negative number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 <= value < math.inf:
+        raise ValueError(f"{what} must be a non-negative finite number, got {value!r}")
     return value
 
 

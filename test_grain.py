@@ -231,8 +231,11 @@ def test_memory_capacity_token_node():
         m.alloc(Memory(6))
     m.dealloc(a)
     assert m.m == 8 and m.stat() == {"Memory": (8, 8)}
-    with pytest.raises(ValueError, match="Memory"):
-        Memory(-1)
+    for bad in (-1, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"Memory\(M\) must be a non-negative finite"):
+            Memory(bad)
+    with pytest.raises(ValueError, match=r"WTime\(T\) must be a non-negative finite"):
+        WTime(T=math.inf)
     n = Node(N=16, M=10)
     assert n.N == 16 and n.M == 10 and n.m == 10 and repr(n) == "CPU_Cores([0-15]) & Memory(10GB)"
     gpu = Token("gpu")
