@@ -7275,12 +7275,24 @@ async def _reach_head(url, listen, key, provider):
         log.info("waiting for a head to dial %s", ", ".join(urls.values()))
         return await accept_one(listeners, key)
     wt = _part(provider, "WTime")
-    with trio.move_on_after(wt.remaining() if wt is not None else math.inf):
-        try:
-            return await connect(url, key, wait=True)
-        except (Unreachable, OSError, PeerError) as e:
-            raise GrainError(f"cannot reach a head at {url}: {e}") from None
-    log.warning("no head came within this worker's walltime; leaving")
+    signalled = []
+    with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting, \
+            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async def stop_on_signal():  # (not killed outright: its Edge record is taken back)
+            async for signum in signals:
+                signalled.append(signal.Signals(signum).name)
+                waiting.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_on_signal)
+            try:
+                return await connect(url, key, wait=True)
+            except (Unreachable, OSError, PeerError) as e:
+                raise GrainError(f"cannot reach a head at {url}: {e}") from None
+            finally:
+                nursery.cancel_scope.cancel()
+    log.warning("%s; leaving", f"{signalled[0]} while waiting for a head" if signalled else
+                "no head came within this worker's walltime")
     return None
 
 

@@ -1676,6 +1676,21 @@ def test_an_address_that_cannot_be_listened_on_is_named():
                 f"grain.py worker: cannot listen at {url}: {why}\n", cp.stderr
 
 
+def test_a_worker_stopped_while_it_waits_for_a_head_takes_its_edge_record_back(workers,
+                                                                               tmp_path):
+    edge = tmp_path / "edge"
+    w = workers.start("--url", f"edge://{edge}", "--res", '{"Cores": {"N": 1}}')
+    deadline = time.monotonic() + 30
+    while not (edge.exists() and _json.loads(edge.read_text() or "{}").get("dialer")):
+        assert time.monotonic() < deadline and w.poll() is None, w.log_path.read_text()
+        time.sleep(0.05)  # (polling another process's file: nothing to await)
+    (sock,) = tmp_path.glob("edge.worker-*.sock")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(15) == 0
+    assert _json.loads(edge.read_text())["dialer"] == [] and not sock.exists()
+    assert "SIGTERM while waiting for a head; leaving" in w.log_path.read_text()
+
+
 def test_worker_without_a_head_at_a_tcp_address():
     cp = run_py(GRAIN, "worker", "--url", "tcp://127.0.0.1:1")
     assert cp.returncode == 1 and "Traceback" not in cp.stderr
