@@ -4356,6 +4356,16 @@ class SpecializedWorker(LocalWorker):
 # time through a clock it is given, so tests can drive it without trio.
 
 
+async def _enter_backendless(stack, module, res):
+    """Start a backendless specialized worker in this process, for as long as ``stack`` is
+    open: (name, GVAR.context, resources)."""
+    info = dict(await stack.enter_async_context(module.grain_run_sworker()))
+    name = info.pop("name", None) or module.__name__
+    value = await stack.enter_async_context(module.grain_context(**info))
+    log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
+    return name, value, res
+
+
 class JobQueue:
     """The jobs of one mission waiting for resources, oldest first. An executor running a
     mission in-process has one; a head daemon has one per attached mission."""
@@ -4677,6 +4687,14 @@ class Scheduler:
                            f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
                            "job(s) queued"))
         return out
+
+    def too_large(self, job):
+        """Why ``job`` fits no worker, even idle (None when one could run it)."""
+        if any(w.total.request(job.req) for w in self.workers):
+            return None
+        big = max(self.workers, key=lambda w: _size_key(w.total), default=None)
+        return (f"job {job.name} asks {request_text(job.req)}, more than any worker has" +
+                (f" (the largest: {big.name} with {big.offered!r})" if big else ""))
 
     def explain(self):
         """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
@@ -5304,8 +5322,24 @@ class MissionRecord:
             if t["held"] else ""
         return f"{t['jobs']} jobs, {t['used'] / 3600:.3g} core-hours used{share}"
 
+    @staticmethod
+    def check_report_path(path):
+        """GrainError now for a report path it could not write at the end."""
+        where = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(where):
+            raise GrainError(f"report {path}: " + ("a directory, not a file" if
+                                                   os.path.isdir(path) else
+                                                   f"no directory {where}"))
+
     def write_html(self, path, jobs, title="grain mission"):
-        """The mission report (see the section) to ``path``."""
+        """The mission report (see the section) to ``path``; a failure is logged, not
+        raised: a report is not worth the mission's result."""
+        try:
+            self._write_html(path, jobs, title)
+        except OSError as e:
+            log.error("the mission report %s could not be written: %s", path, e.strerror or e)
+
+    def _write_html(self, path, jobs, title):
         end = _now()
         ran = [j for j in jobs if j.started is not None]
         t0 = min([self.t0] + [j.started for j in ran])
@@ -5719,14 +5753,17 @@ class MissionSetup:
     workers_fixed: bool = False    # no other worker can join (run() listening nowhere)
 
 
-async def _enter_backendless(stack, module, res):
-    """Start a backendless specialized worker in this process, for as long as ``stack`` is
-    open: (name, GVAR.context, resources)."""
-    info = dict(await stack.enter_async_context(module.grain_run_sworker()))
-    name = info.pop("name", None) or module.__name__
-    value = await stack.enter_async_context(module.grain_context(**info))
-    log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
-    return name, value, res
+def _worker_sources(waddrs, rpw):
+    """GrainExecutor's passive workers as URLs (upstream's host names: port 4242), and its
+    local worker's resources (upstream's order; grain.py's ``GrainExecutor(rpw)`` too)."""
+    if isinstance(waddrs, Resource):
+        waddrs, rpw = (), waddrs
+    if rpw is not None and not isinstance(rpw, Resource):
+        raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
+    urls = [a if "://" in a else f"tcp://{a}:4242" for a in waddrs]
+    for url in urls:
+        parse_url(url)
+    return urls, rpw
 
 
 class GrainExecutor:
@@ -5759,10 +5796,7 @@ class GrainExecutor:
                  name="local", listen=None, key=None, max_frame=MAX_FRAME, mission=None,
                  results=None, rerun_failed=True, report=None, progress=None, nolocal=False,
                  reschedule=True, persistent=True, **no_effect):
-        if isinstance(waddrs, Resource):  # grain.py's GrainExecutor(rpw) (upstream: waddrs first)
-            waddrs, rpw = (), waddrs
-        if rpw is not None and not isinstance(rpw, Resource):
-            raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
+        self.waddrs, rpw = _worker_sources(waddrs, rpw)
         _note_no_effect("GrainExecutor", no_effect)
         if not reschedule:  # upstream: "abort on any exception": no retry at all
             temporary_err, max_retries = (), 0
@@ -5775,14 +5809,10 @@ class GrainExecutor:
         self.tally = Tally()
         self.mission = mission or MissionSetup()
         self.listen, self.key, self.max_frame = listen, key, max_frame
-        # upstream's passive workers are host names, listening on port 4242
-        self.waddrs = [a if "://" in a else f"tcp://{a}:4242" for a in waddrs]
-        for url in self.waddrs:
-            parse_url(url)
         self._link = None if self.mission.attach is None else MissionLink(
             self, self.mission.attach, self.mission.info, max_frame)
         # jobs may leave this process: their function and arguments are pickled at once
-        self._remote = bool(listen or waddrs or self._link)
+        self._remote = bool(listen or self.waddrs or self._link)
         self._workers_fixed = self.mission.workers_fixed and not self._remote
         self.service = None       # the HeadService, while it runs
         self.stored = MissionResults(results, rerun_failed) if results else None  # the store
@@ -5873,8 +5903,9 @@ class GrainExecutor:
                 return
             if self.reunion.offer(job, hold=state == "running"):  # its worker may be back
                 return
-        if self._workers_fixed and not any(w.total.request(req) for w in self.scheduler.workers):
-            self._complete(job, None, self._never_runs(job))
+        if self._workers_fixed and (why := self.scheduler.too_large(job)):  # never to run
+            self._complete(job, None, GrainError(f"{why}, and no other worker can join this "
+                                                 "mission (it listens at no address)"))
             return
         self._queue(job)
 
@@ -6002,15 +6033,6 @@ class GrainExecutor:
             for queue, text in self.scheduler.stuck():
                 queue.warn(text)
 
-    def _never_runs(self, job):
-        """The error of a job no worker of a mission no other worker can join can run (run()
-        with address=False): failed at once, where it would wait forever."""
-        big = max(self.scheduler.workers, key=lambda w: _size_key(w.total), default=None)
-        return GrainError(f"job {job.name} asks {request_text(job.req)}, more than any worker "
-                          "of this mission has" + (f" (the largest: {big.name} with "
-                                                   f"{big.offered!r})" if big else "") +
-                          ", and no other worker can join it (it listens at no address): "
-                          "it can never run")
 
     # -- as a head ------------------------------------------------------------------
     def statistics(self):
@@ -6045,11 +6067,7 @@ class GrainExecutor:
 
     async def _open(self):
         if self.report:  # a report it could not write at the end: said now
-            where = os.path.dirname(os.path.abspath(self.report))
-            if os.path.isdir(self.report) or not os.path.isdir(where):
-                raise GrainError(f"report {self.report}: " + (
-                    "a directory, not a file" if os.path.isdir(self.report) else
-                    f"no directory {where}"))
+            MissionRecord.check_report_path(self.report)
         if self.stored is not None:  # first: a store another mission holds stops us here
             await trio.to_thread.run_sync(self.stored.store.open)
             self._stack.callback(self.stored.store.close)
@@ -6119,12 +6137,8 @@ class GrainExecutor:
             log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
                      self.record.summary(self._jobs))
             if self.report:
-                try:
-                    self.record.write_html(self.report, self._jobs,
-                                           f"grain mission {os.path.basename(sys.argv[0])}")
-                except OSError as e:  # (not worth the mission's result)
-                    log.error("the mission report %s could not be written: %s", self.report,
-                              e.strerror or e)
+                self.record.write_html(self.report, self._jobs,
+                                       f"grain mission {os.path.basename(sys.argv[0])}")
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:

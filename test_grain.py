@@ -4173,9 +4173,10 @@ def test_a_job_asking_for_more_gpus_than_any_worker_is_named():
 
     # a mission no other worker can join (no address): the job fails, it would never run
     said = run(main, local=Cores(2) & Gpus(4), address=False, config_file=False)
-    assert said.split(" asks ")[1] == ("Cores(N=1) & Gpus(N=8), more than any worker of this "
-                    "mission has (the largest: local with CPU_Cores([0-1]) & GPUs(4)), and no "
-                    "other worker can join it (it listens at no address): it can never run")
+    assert said.split(" asks ")[1] == ("Cores(N=1) & Gpus(N=8), more than any worker has (the "
+                                       "largest: local with CPU_Cores([0-1]) & GPUs(4)), and no "
+                                       "other worker can join this mission (it listens at no "
+                                       "address)")
 
 
 def _process_group(pgid):
