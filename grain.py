@@ -86,6 +86,7 @@ if __name__ == "__main__":
 
 import argparse
 import bisect
+import codecs
 import contextlib
 import contextvars
 import copy
@@ -185,6 +186,8 @@ SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut
 SUBPROC_REAP_S = 5.0      # ... checked this often
 SUBPROC_MARGIN_S = 0.02   # seconds the child's own T alarm fires before the parent's
 KILL_GRACE_S = 2.0        # seconds between SIGTERM and SIGKILL when stopping a child
+PARENT_WATCH_S = 0.5      # how often a pool process looks whether its parent still lives
+STDERR_TAIL = 4000        # bytes of a program's stderr kept for its ProgramError
 MAX_FRAME = 1 << 30       # bytes; the largest frame a peer may send (1 GiB)
 HANDSHAKE_TIMEOUT_S = 5.0  # seconds a new connection has to prove it holds the key
 HEARTBEAT_S = 10.0        # seconds between heartbeats, both ways
@@ -2388,14 +2391,16 @@ class ProgramError(GrainError):
 
 async def _drain(stream, keep, forward=None):
     """Read ``stream`` to its end into ``keep`` (a bytearray), passing it on to ``forward``
-    (a text stream) as it comes."""
-    while True:
+    (a text stream) as it comes; then ``keep`` holds only its last STDERR_TAIL bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a character
+    while True:                                                      # split between reads)
         chunk = await stream.receive_some(65536)
         if not chunk:
             return
         keep += chunk
         if forward is not None:
-            forward.write(chunk.decode(errors="replace"))
+            del keep[:-STDERR_TAIL]  # (forwarded: only its end is kept)
+            forward.write(decoder.decode(chunk))
             forward.flush()
 
 
@@ -2427,7 +2432,7 @@ async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, ch
     except BaseException:
         await _stop_process(proc)
         raise
-    tail = err[-4000:].decode(errors="replace").strip()
+    tail = err[-STDERR_TAIL:].decode(errors="replace").strip()
     if check and proc.returncode != 0:
         raise ProgramError(cmd, proc.returncode, tail)
     return subprocess.CompletedProcess(cmd, proc.returncode, bytes(out) if stdout == pipe
@@ -2435,22 +2440,30 @@ async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, ch
 
 
 def _child_die_with_parent():
-    """Ask Linux to SIGKILL this process when its parent dies: no orphan ever runs on."""
-    try:
-        import ctypes
+    """End this pool process, and the programs its jobs started (its process group), when
+    its parent dies, even mid-job: no orphan runs on. (Not Linux's PR_SET_PDEATHSIG: it
+    fires when the parent *thread* ends, and trio starts processes from worker threads
+    that end after 10 s idle.)"""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # pragma: no cover - not Linux; EOF on stdin still ends the child
-        pass
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_WATCH_S)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="grain-parent-watch", daemon=True).start()
 
 
 def _subproc_child_main(result_fd):
-    """Body of a pool process: read jobs from stdin, write results to ``result_fd``."""
+    """Body of a pool process: read jobs from stdin, write results to ``result_fd``. The
+    programs its jobs start inherit neither: their stdin is /dev/null."""
     _child_die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
-    inp = sys.stdin.buffer
+    inp = os.fdopen(os.dup(0), "rb")  # (dup: not inheritable)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.set_inheritable(result_fd, False)
     out = os.fdopen(result_fd, "wb", buffering=0)
+    home, allowed = os.getcwd(), os.sched_getaffinity(0)
 
     def read_frame():
         head = inp.read(4)
@@ -2480,8 +2493,8 @@ def _subproc_child_main(result_fd):
             _INSTANCE.set(instance)
             os.environ.clear()  # this call's allocation, not the last one's
             os.environ.update(job_env(environ, res))
-            if cores:
-                os.sched_setaffinity(0, cores)
+            os.sched_setaffinity(0, cores or allowed)
+            os.chdir(home)
             if timeout is not None:
                 signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-3))
             try:
@@ -2496,6 +2509,7 @@ def _subproc_child_main(result_fd):
             tb = traceback.format_exc()
             try:
                 payload = dill.dumps((False, (e, tb)))
+                dill.loads(payload)  # (one that pickles but cannot be made again: as text)
             except Exception:
                 payload = dill.dumps((False, (GrainError(f"{type(e).__name__}: {e} "
                                                          "(the exception could not be pickled)"),
@@ -2556,7 +2570,12 @@ class SubprocessPool:
         frames = FrameStream(process.stdin, trio.lowlevel.FdStream(r))
         child = _PoolProcess(process, frames)
         self._all.add(child)
-        await frames.send(pickle.dumps(sys.path))
+        try:
+            await frames.send(pickle.dumps(sys.path))
+        except BaseException:  # (cancelled: not to be left running, nobody's)
+            self._all.discard(child)
+            await child.kill()
+            raise
         return child
 
     async def call(self, fn, args, kwargs, res, instance, cores, timeout):
@@ -2564,16 +2583,18 @@ class SubprocessPool:
         # reference to a __main__ the child does not have.
         payload = dill_dumps((fn, args, kwargs, res, instance, cores, timeout))
         async with self._slots:
-            child = self._idle.pop() if self._idle else await self._spawn()
+            child = self._idle.pop() if self._idle else None
             ok = False
             try:
+                if child is None:
+                    child = await self._spawn()
                 await child.frames.send(payload)
                 frame = await child.frames.receive()
                 ok = frame is not None
             except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
                 frame = None
             finally:
-                if not ok:  # died, or we were cancelled mid-call: this process is spent
+                if not ok and child is not None:  # died, or we were cancelled: it is spent
                     self._all.discard(child)
                     await child.kill()
             if frame is None:

@@ -1141,6 +1141,69 @@ async def test_a_dying_child_is_broken_retried_and_replaced(how):
     assert await _in_mission(main, max_retries=2)
 
 
+@subprocify
+def sp_surroundings(chdir_to=None):
+    import os
+    import subprocess
+    seen = (os.getcwd(), sorted(os.sched_getaffinity(0)),
+            subprocess.run(["cat"], capture_output=True, timeout=10).stdout)  # its stdin
+    if chdir_to:
+        os.chdir(chdir_to)
+    return seen
+
+
+class NeedsTwo(Exception):
+    def __init__(self, a, b):  # pickles, but cannot be made again from its args
+        super().__init__(f"{a}/{b}")
+
+
+@subprocify
+def sp_raise_needs_two():
+    raise NeedsTwo(1, 2)
+
+
+@trio_test
+async def test_pool_jobs_start_clean_and_outlive_the_thread_that_spawned_their_process(
+        monkeypatch, tmp_path):
+    # trio starts processes from worker threads that end when idle (after 10 s; here after
+    # 1 s, once the pool process is up): a pool process must not die with that thread
+    monkeypatch.setattr(trio._core._thread_cache, "IDLE_TIMEOUT", 1.0)
+    allowed = sorted(os.sched_getaffinity(0))
+
+    async def hold(seconds):
+        await trio.sleep(seconds)
+
+    async def main():
+        async with subprocess_pool_scope(limit=1):
+            assert await (delayed(sp_sleep) @ Cores(1))(2.5) > 0   # it outlived that thread
+            cwd, cores, stdin = await (delayed(sp_surroundings) @ Cores(1))(str(tmp_path))
+            assert cwd == os.getcwd() and len(cores) == 1 and cores[0] in allowed
+            assert stdin == b""   # its programs read /dev/null, not the pool's job pipe
+            # the same process, after that job moved and was pinned, given a virtual core
+            # (every real one is held): as it started, not as the last job left it
+            hog = (delayed(hold) @ Cores(len(allowed)))(1)
+            cwd, cores, _ = await (delayed(sp_surroundings) @ Cores(1))()
+            assert cwd == os.getcwd() and cores == allowed
+            await hog
+            with pytest.raises(grain.GrainError, match=r"NeedsTwo: 1/2 \(the exception could "
+                                                       r"not be pickled\)"):
+                await (delayed(sp_raise_needs_two) @ Cores(1))()
+            return True
+
+    assert await _in_mission(main, local=Cores(len(allowed) + 1))
+
+
+@trio_test
+async def test_a_pool_call_cancelled_while_its_process_starts_leaves_none():
+    grain.GVAR.res = Cores([0])   # (as a job's code sees it)
+    async with subprocess_pool_scope(limit=2) as pool:
+        for _ in range(10):
+            with trio.move_on_after(0.002):
+                await sp_sleep(0)
+        assert pool.statistics().idle == len(pool.statistics().pids)  # none is nobody's
+        assert await sp_sleep(0) in pool.statistics().pids            # and it still works
+
+
 @trio_test
 async def test_pool_is_bounded_and_idle_processes_shut_down(mock_clock):
     async def main():
@@ -1203,6 +1266,30 @@ def test_ctrl_c_leaves_no_orphan(tmp_path):
     err = proc.communicate(timeout=20)[1]
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert not pid_alive(child)
+
+
+def test_a_killed_mission_takes_its_pool_processes_and_their_programs_along(tmp_path):
+    pidfile, program = tmp_path / "pid", tmp_path / "program"
+    script = tmp_path / "mission.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r})
+        from grain.delayed import delayed, run
+        from grain.resource import Cores
+        from grain.subproc import subprocess_pool_scope
+        import test_grain
+        async def main():
+            async with subprocess_pool_scope():
+                await (delayed(test_grain.sp_sleep) @ Cores(1))(60, {str(pidfile)!r},
+                                                                {str(program)!r})
+        run(main, local=Cores(1), config_file=False)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=HERE, stderr=subprocess.DEVNULL)
+    wait_for(lambda: pidfile.exists() and pidfile.read_text() or proc.poll() is not None, 20,
+             "the pool process")
+    proc.kill()   # no goodbye: the pool process sees its parent gone
+    proc.wait()
+    wait_for(lambda: not pid_running(int(pidfile.read_text())), 10, "the pool process")
+    wait_for(lambda: not pid_running(int(program.read_text())), 10, "the job's program")
 
 
 ###############################################################################
@@ -4203,7 +4290,7 @@ async def _program_report():
 
 
 @trio_test
-async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_path):
+async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_path, capsys):
     cores = sorted(os.sched_getaffinity(0))
     async with grain.GrainExecutor(rpw=Cores(cores) & Gpus(4)) as exer:
         env, allowed = await exer.submit(Cores(1) & Gpus(2), _program_report)
@@ -4219,6 +4306,15 @@ async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_pa
         assert info.value.returncode == 3 and info.value.stderr_tail == "no basis set"
         assert str(info.value).endswith("exited with status 3; the end of its stderr:\n"
                                         "no basis set")
+
+        async def chatty():  # more stderr than is kept, a character split between writes
+            await grain.run_program("{ printf '\\303'; sleep 0.2; printf '\\251\\n'; "
+                                    "head -c 10000 /dev/zero | tr '\\0' x; } >&2; exit 1")
+
+        with pytest.raises(grain.ProgramError) as info:
+            await exer.submit(Cores(1), chatty)
+        assert info.value.stderr_tail == "x" * grain.STDERR_TAIL
+        assert "é\n" in capsys.readouterr().err   # forwarded whole
 
         pgid_file = tmp_path / "pgid"
 
