@@ -5331,7 +5331,10 @@ class MissionRecord:
     def totals(self, jobs, end=None):
         """jobs (with resources), done, failed, and core-seconds used and held."""
         end, ran = _now() if end is None else end, [j for j in jobs if j.started is not None]
-        used = sum(_job_cores(j) * ((j.ended or end) - j.started) for j in ran)
+        # (what its worker measured, when it ended: a job handed to a head daemon "started"
+        # when it went there, and may have waited in its queue)
+        used = sum(_job_cores(j) * (j.duration if j.duration is not None and j.ended else
+                                    (j.ended or end) - j.started) for j in ran)
         held = sum(_cores_of(w.total) * ((left or end) - joined)
                    for w, joined, left in self.workers)
         return {"jobs": len(ran), "done": sum(j.state == "done" for j in ran),
@@ -5341,7 +5344,10 @@ class MissionRecord:
         t = self.totals(jobs)
         share = f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%})" \
             if t["held"] else ""
-        return f"{t['jobs']} jobs, {t['used'] / 3600:.3g} core-hours used{share}"
+        unended = t["jobs"] - t["done"] - t["failed"]
+        jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done, {t['failed']} failed, {unended} "
+                                      "not ended)" if unended else "")
+        return f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
 
     @staticmethod
     def check_report_path(path):

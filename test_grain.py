@@ -4617,6 +4617,21 @@ def _run_in_pty(script):
     return out.decode()
 
 
+def test_the_last_line_counts_what_workers_measured_and_says_what_did_not_end():
+    record = grain.MissionRecord()
+    jobs = []
+    for i, (duration, state) in enumerate([(1.0, "done"), (2.0, "failed"), (None, "queued")]):
+        job = grain.Job(i, Cores(2), None, (), {})
+        # handed to a head daemon at t0, where it waited 10 s before a worker ran it
+        job.started, job.state, job.alloc = record.t0, state, Cores([0, 1])
+        if duration is not None:
+            job.duration, job.ended = duration, record.t0 + 10 + duration
+        jobs.append(job)
+    totals = record.totals(jobs, end=record.t0 + 20)
+    assert totals["used"] == pytest.approx(2 * 1.0 + 2 * 2.0 + 2 * 20)  # not the waits
+    assert record.summary(jobs).startswith("3 jobs (1 done, 1 failed, 1 not ended), ")
+
+
 def test_the_progress_line_shows_true_counts_on_a_terminal_only(tmp_path):
     script = tmp_path / "mission.py"
     script.write_text(PROGRESS_MISSION.format(here=HERE, extra=""))
