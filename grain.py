@@ -4917,6 +4917,15 @@ class Reunion:
                     del self.finished[wire]
 
 
+async def warn_of_stuck_queues(scheduler):
+    """Every STUCK_CHECK_S, warn each queue (its mission) whose oldest job fits no worker
+    (Scheduler.stuck): a head's task, a mission's own or the daemon's."""
+    while True:
+        await trio.sleep(STUCK_CHECK_S)
+        for queue, text in scheduler.stuck():
+            queue.warn(text)
+
+
 class HeadService:
     """Serves a head's address: workers register, CLI clients send commands, missions
     attach (the owner decides). ``commands`` adds to (or replaces) the CLI commands
@@ -6054,12 +6063,6 @@ class GrainExecutor:
             self._all_done = trio.Event()
             await self._all_done.wait()
 
-    async def _watch_stuck(self):
-        while True:
-            await trio.sleep(STUCK_CHECK_S)
-            for queue, text in self.scheduler.stuck():
-                queue.warn(text)
-
 
     # -- as a head ------------------------------------------------------------------
     def statistics(self):
@@ -6122,7 +6125,7 @@ class GrainExecutor:
                                         context, output))
         for name, value, res in backendless:
             self.add_worker(LocalWorker(self, res, name, self._nursery, value))
-        self._nursery.start_soon(self._watch_stuck)
+        self._nursery.start_soon(warn_of_stuck_queues, self.scheduler)
         if self.progress is not False:
             start_progress(self, self._stack, self._nursery)
         if self.stored is not None:
@@ -7516,6 +7519,7 @@ class HeadDaemon:
                 await nursery.start(serve, f"unix://{self.mission_socket}", self.service.key,
                                     self.service.handle_connection)
             nursery.start_soon(self._watch_idle)
+            nursery.start_soon(warn_of_stuck_queues, self.scheduler)
             if self.swarm is not None:
                 nursery.start_soon(self.swarm.run, self._joined)
             task_status.started(urls)

@@ -2948,6 +2948,23 @@ async def test_a_malformed_registration_is_refused_and_costs_no_job():
         assert value is None and "could not be unpickled" in str(error)
 
 
+@trio_test
+async def test_the_head_daemon_tells_a_mission_of_its_stuck_job(autojump_clock):
+    daemon = grain.HeadDaemon("tcp://127.0.0.1:0", b"k" * 32)
+    mission = grain.MissionQueue(_FakeChannel(), {"name": "m"})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        daemon.scheduler.add_queue(mission)
+        daemon.scheduler.add_worker(_returning_worker(2))
+        job = grain.Job(1, Cores(4), None, None, None, mission)
+        daemon.scheduler.push(job)
+        await trio.sleep(grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
+        warnings = [m[1] for m in mission.channel.sent if m[0] == "warn"]
+        assert len(warnings) == 1 and "requesting Cores(N=4) has fitted no worker for 6" in \
+            warnings[0] and "the largest worker is w with CPU_Cores([0-1])" in warnings[0]
+        nursery.cancel_scope.cancel()
+
+
 def test_a_job_a_returning_worker_still_runs_is_adopted_not_started_twice():
     sched = grain.Scheduler()
     queue = grain.JobQueue("m")
