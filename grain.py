@@ -7422,6 +7422,7 @@ class SwarmKeeper:
         self.pending = {}            # batch job id -> submission time, until it joins or ends
         self.note = ""               # why it is not at target, for `ls`
         self.changed = None          # set to look again at once (a worker left, `scale`)
+        self.warn = log.warning      # (the daemon's: its missions hear it too)
 
     @property
     def quota(self):
@@ -7478,7 +7479,7 @@ class SwarmKeeper:
                 submit_script, s, render_script(s, worker_command(s), when), (), "worker", when)
         except GrainError as e:
             self.note = f"the last submission failed: {e}"
-            log.warning("swarm: %s", self.note)
+            self.warn(f"swarm: {self.note}")
             return
         self.pending[batch_id] = time.time()
         log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
@@ -7502,6 +7503,8 @@ class HeadDaemon:
         self.mission_socket = mission_socket
         self.idle_quit = idle_quit
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
+        if swarm is not None:
+            swarm.warn = self.warn_all
         self.log_file = log_file
         self.max_missions = max_missions
         self.stopped = trio.Event()

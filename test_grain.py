@@ -2965,6 +2965,27 @@ async def test_the_head_daemon_tells_a_mission_of_its_stuck_job(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+@trio_test
+async def test_a_rejected_swarm_submission_is_told_to_the_missions(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = grain.parse_config('system = "custom"\n[custom_system]\ntemplate = '
+                                  '"#!/bin/sh\\n{main}"\nsubmit_cmd = "sh -c \'echo '
+                                  'no such partition >&2; exit 1\'"\n', "x.toml").role("worker")
+    swarm = grain.SwarmKeeper(settings, 1, 2, 600)
+    daemon = grain.HeadDaemon("tcp://127.0.0.1:0", b"k" * 32, swarm=swarm)
+    mission = grain.MissionQueue(_FakeChannel(), {"name": "m"})
+    daemon.missions.append(mission)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(swarm.run, lambda: 0)
+        with trio.fail_after(20):
+            while not mission.channel.sent:
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    (said,) = [m[1] for m in mission.channel.sent if m[0] == "warn"]
+    assert said.startswith("swarm: the last submission failed: submission failed (sh exit "
+                           "1): no such partition")
+
+
 def test_a_job_a_returning_worker_still_runs_is_adopted_not_started_twice():
     sched = grain.Scheduler()
     queue = grain.JobQueue("m")
