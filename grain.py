@@ -6364,6 +6364,8 @@ def _start_mission(main, executor_args, executor_kwargs, config_file, address,
                         executor_args, {**executor_kwargs, **options})
     except _SetupFailed as e:
         raise e.error.with_traceback(None) from None
+    except KeyboardInterrupt as e:  # (Ctrl-C: the last log line said what ended; not where)
+        raise e.with_traceback(None) from None
 
 
 def run_combine(main, *executor_args, config_file=None, address=None, **executor_kwargs):
