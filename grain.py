@@ -2449,7 +2449,9 @@ def _child_die_with_parent():
     def watch():
         while os.getppid() == parent:
             time.sleep(PARENT_WATCH_S)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        if os.getpgrp() == os.getpid():  # (its own group, as the pool starts it: not another's)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
 
     threading.Thread(target=watch, name="grain-parent-watch", daemon=True).start()
 
