@@ -237,6 +237,11 @@ class UsageError(GrainError):
     """The user asked for something malformed (a CLI argument, a config value)."""
 
 
+class ListenError(GrainError, OSError):
+    """An address this process cannot listen on (in use, not its own, no such directory):
+    a GrainError for the command line, an OSError for those who retry."""
+
+
 class PeerError(GrainError):
     """Something a peer sent or did is wrong: the peer is to blame, not this process."""
 
@@ -847,8 +852,12 @@ def request_text(req):
     """A request as the code that makes it, ``Cores(N=4) & Memory(M=8)``, for `ls` and
     explain: its repr, upstream's, names core ids (``CPU_Cores([0-3])``), which reads as
     "these cores" where a job asks for any four."""
-    return " & ".join(f"{kind}({', '.join(f'{k}={v!r}' for k, v in part._args().items())})"
-                      for kind, part in req._parts().items()) or repr(req)
+    def one(kind, part):
+        try:
+            return f"{kind}({', '.join(f'{k}={v!r}' for k, v in part._args().items())})"
+        except NotImplementedError:  # (a kind of the user's own need not say)
+            return repr(part)
+    return " & ".join(one(kind, part) for kind, part in req._parts().items()) or repr(req)
 
 
 ###############################################################################
@@ -1828,7 +1837,7 @@ async def open_listeners(url):
                errno.EADDRNOTAVAIL: "no interface of this machine has that address",
                errno.ENOENT: "its directory does not exist"}.get(
                    e.errno, e.strerror or str(e))
-        raise GrainError(f"cannot listen at {url}: {why}") from None
+        raise ListenError(f"cannot listen at {url}: {why}") from None
 
 
 async def _open_listeners(url):
@@ -2396,6 +2405,8 @@ async def _drain(stream, keep, forward=None):
     while True:                                                      # split between reads)
         chunk = await stream.receive_some(65536)
         if not chunk:
+            if forward is not None:
+                forward.write(decoder.decode(b"", final=True))  # (a cut-off last character)
             return
         keep += chunk
         if forward is not None:
@@ -2462,10 +2473,17 @@ def _subproc_child_main(result_fd):
     _child_die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
     inp = os.fdopen(os.dup(0), "rb")  # (dup: not inheritable)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     os.set_inheritable(result_fd, False)
     out = os.fdopen(result_fd, "wb", buffering=0)
-    home, allowed = os.getcwd(), os.sched_getaffinity(0)
+    try:
+        home = os.getcwd()
+    except OSError:  # (its directory was deleted: it stays where it is)
+        home = None
+    pinning = hasattr(os, "sched_setaffinity")  # (Linux)
+    allowed = os.sched_getaffinity(0) if pinning else None
 
     def read_frame():
         head = inp.read(4)
@@ -2495,8 +2513,10 @@ def _subproc_child_main(result_fd):
             _INSTANCE.set(instance)
             os.environ.clear()  # this call's allocation, not the last one's
             os.environ.update(job_env(environ, res))
-            os.sched_setaffinity(0, cores or allowed)
-            os.chdir(home)
+            if pinning:
+                os.sched_setaffinity(0, cores or allowed)
+            if home is not None:
+                os.chdir(home)
             if timeout is not None:
                 signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-3))
             try:
@@ -2599,6 +2619,9 @@ class SubprocessPool:
                 if not ok and child is not None:  # died, or we were cancelled: it is spent
                     self._all.discard(child)
                     await child.kill()
+            if child is None:
+                raise BrokenSubprocessError(f"a pool process for {_callable_name(fn)} ended "
+                                            "as it started")
             if frame is None:
                 code = child.process.returncode
                 how = (f"killed by signal {-code}" if code is not None and code < 0
@@ -3932,8 +3955,8 @@ class MissionResults:
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
         "running" when it was running when the last run of this mission ended."""
         fn = job.fn
-        digest = self._functions.get(fn) or self._function(fn)
         try:
+            digest = self._functions.get(fn) or self._function(fn)
             key = job_key(digest[0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(fn)
@@ -6142,7 +6165,8 @@ class GrainExecutor:
                 await self._nursery.start(self.service.run)
             except (GrainError, BaseExceptionGroup) as e:
                 e = lone_exception(e)
-                if not (isinstance(e, GrainError) and m.listen_optional):
+                if not (isinstance(e, GrainError) and m.listen_optional) or isinstance(
+                        e, ListenError):  # (optional: another head has it; not a bad one)
                     raise e from None
                 log.warning("%s; this mission runs without accepting workers", e)
         for url in self.waddrs:

@@ -2,6 +2,7 @@
 
 Real processes, real pipes and files; trio's MockClock where time matters."""
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -392,6 +393,8 @@ async def test_custom_resource_kind_in_the_executor():
         jobs = [exer.submit(Cores(1) & GPU(1), job) for _ in range(4)]
     assert all(j.done() and j.error is None for j in jobs)
     assert sorted(map(tuple, seen)) == [(0,), (0,), (1,), (1,)]
+    # `ls` and explain show a request of it by its repr (it need not say its arguments)
+    assert grain.request_text(Cores(1) & GPU(1)) == "Cores(N=1) & GPU([0])"
     grain.register_resource(GPU)
     assert grain.RESOURCE_TYPES["GPU"] is GPU
     del grain.RESOURCE_TYPES["GPU"]
@@ -1762,6 +1765,15 @@ def test_an_address_that_cannot_be_listened_on_is_named():
             cp = run_py(GRAIN, "worker", "--listen", url)
             assert cp.returncode == 1 and cp.stderr == \
                 f"grain.py worker: cannot listen at {url}: {why}\n", cp.stderr
+    # a mission given such an address stops (only an Edge file another head holds is
+    # passed over, to run without accepting workers)
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); from grain.delayed import run; "
+            "from grain.resource import Cores\nasync def main(): pass\n"
+            "run(main, local=Cores(1), config_file=False, address='tcp://192.0.2.1:5000')")
+    cp = run_py("-c", code)
+    assert cp.returncode == 1 and cp.stderr.strip().splitlines()[-1] == (
+        "grain.ListenError: cannot listen at tcp://192.0.2.1:5000: no interface of this "
+        "machine has that address")
 
 
 def test_a_worker_stopped_while_it_waits_for_a_head_takes_its_edge_record_back(workers,
@@ -4047,9 +4059,20 @@ async def test_a_head_forgets_the_held_jobs_no_worker_can_claim_any_more(autojum
         nursery.cancel_scope.cancel()
 
 
+@dataclasses.dataclass
+class UnhashableJob:   # (a dataclass with eq: not hashable)
+    add: int
+
+    async def __call__(self, x):
+        return x + self.add
+
+
 def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
     async def apply(f, x):
         return f(x)
+
+    async def unhashable():
+        return await (delayed(UnhashableJob(1)) @ Cores(1))(1)
 
     async def main():
         job = delayed(apply) @ Cores(1)
@@ -4061,6 +4084,8 @@ def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
                        results=str(tmp_path / "r.db")) == [1, 2, 3]
     warnings = [r.getMessage() for r in caplog.records if "cannot be keyed" in r.getMessage()]
     assert len(warnings) == 2 and "apply" in warnings[0]   # once per run, naming it
+    assert run(unhashable, local=Cores(1), config_file=False,     # (a function that is
+               results=str(tmp_path / "other.db")) == 2           # not hashable: the same)
 
 
 def test_repeated_identical_calls_keep_their_own_results(tmp_path):
