@@ -463,6 +463,15 @@ def _pid_lives(pid):
         return True
 
 
+def output_path_problem(path):
+    """Why a file cannot be written at ``path`` (a directory, or one that does not exist),
+    in a few words; None when it can be. Checked before the work that ends in writing it."""
+    if os.path.isdir(path):
+        return "a directory, not a file"
+    where = os.path.dirname(os.path.abspath(path))
+    return None if os.path.isdir(where) else f"no directory {where}"
+
+
 def atomic_write(path, data, mode=0o600):
     """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -3743,9 +3752,8 @@ class ResultStore:
                     raise
                 continue  # the holder died: its file was removed; take it
             except OSError as e:
-                where = os.path.dirname(self.path)
-                why = (f"no directory {where}" if not os.path.isdir(where) else
-                       f"cannot create files in {where} ({e.strerror})")
+                why = output_path_problem(self.path) or \
+                    f"cannot create files in {os.path.dirname(self.path)} ({e.strerror})"
                 raise GrainError(f"results store {self.path}: {why}") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
@@ -4294,7 +4302,7 @@ class RemoteWorker(Worker):
         return digest
 
     def start(self, job):
-        alloc = self.orphans.pop(job.wire, None)
+        alloc = self.orphans.pop(job.wire, None) if self.orphans else None
         if alloc is not None:  # it runs here already: this worker came back with it
             self.res.dealloc(job.alloc)
             self.running -= 1
@@ -5386,11 +5394,9 @@ class MissionRecord:
     @staticmethod
     def check_report_path(path):
         """GrainError now for a report path it could not write at the end."""
-        where = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.path.isdir(where):
-            raise GrainError(f"report {path}: " + ("a directory, not a file" if
-                                                   os.path.isdir(path) else
-                                                   f"no directory {where}"))
+        problem = output_path_problem(path)
+        if problem:
+            raise GrainError(f"report {path}: {problem}")
 
     def write_html(self, path, jobs, title="grain mission"):
         """The mission report (see the section) to ``path``; a failure is logged, not
@@ -6087,7 +6093,6 @@ class GrainExecutor:
         while self._outstanding:
             self._all_done = trio.Event()
             await self._all_done.wait()
-
 
     # -- as a head ------------------------------------------------------------------
     def statistics(self):
@@ -7944,10 +7949,9 @@ def build_bundle(packages, out):
 
 def pack(out="grain.pyz", python=None, wheels=None, say=print):
     """Build the bundle for Python ``python`` ("X.Y"; default: this one). Returns its path."""
-    where = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out) or not os.path.isdir(where):  # (said before any download)
-        raise UsageError(f"-o {out}: " + ("a directory, not a file" if os.path.isdir(out)
-                                          else f"no directory {where}"))
+    problem = output_path_problem(out)
+    if problem:  # (said before any download)
+        raise UsageError(f"-o {out}: {problem}")
     if python:
         m = re.match(r"^(\d+)\.(\d+)$", python)
         if not m:
