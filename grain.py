@@ -86,6 +86,7 @@ if __name__ == "__main__":
 
 import argparse
 import bisect
+import builtins
 import codecs
 import contextlib
 import contextvars
@@ -130,6 +131,32 @@ if _missing:  # pragma: no cover - depends on the machine
         "built by `python grain.py pack`")
 
 
+def _package_version(name, version_file):
+    """A package's ``__version__``, read from its source when it is not imported yet:
+    `--version` should not pay for importing trio."""
+    module = sys.modules.get(name)
+    if module is None:
+        with contextlib.suppress(Exception):
+            spec = importlib.util.find_spec(name)
+            path = os.path.join(os.path.dirname(spec.origin), version_file)
+            text = spec.loader.get_data(path).decode()  # a file, or a member of grain.pyz
+            return re.search(r"^__version__ = ['\"]([^'\"]+)", text, re.M).group(1)
+        module = importlib.import_module(name)
+    return getattr(module, "__version__", "?")
+
+
+# The oldest trio that runs a mission as the newest does: 0.22 brought the
+# strict_exception_groups switch that trio_run() and open_strict_nursery() turn on (trio
+# >= 0.25 has it on by default). Sites install old trios system-wide: refuse one that is
+# older in one line, before a mission meets an AttributeError half-way through.
+TRIO_OLDEST = (0, 22)
+_trio_version = _package_version("trio", "_version.py")
+if tuple(int(x) for x in re.findall(r"\d+", _trio_version)[:2]) < TRIO_OLDEST:
+    raise ImportError(f"grain.py needs trio >= {'.'.join(map(str, TRIO_OLDEST))}, but trio "
+                      f"{_trio_version} is installed; upgrade it with `python -m pip install "
+                      "-U trio`, or use the self-contained grain.pyz")
+
+
 class _ImportOnFirstUse(types.ModuleType):
     """Stands for a module until its first attribute is used, then imports it and takes
     its place among this file's globals. trio and dill are most of grain's start-up time
@@ -155,6 +182,19 @@ class _IgnoredTaskStatus:
 
 
 TASK_STATUS_IGNORED = _IgnoredTaskStatus()
+
+
+def trio_run(async_fn, *args):
+    """``trio.run`` whose nurseries always raise an ExceptionGroup (trio >= 0.25's default,
+    asked for so that a mission behaves the same on trio 0.22)."""
+    return trio.run(async_fn, *args, strict_exception_groups=True)
+
+
+def open_strict_nursery():
+    """A nursery that always raises an ExceptionGroup, whatever the trio and whatever the
+    ``trio.run`` (a user's own, or pytest-trio's) it runs under: grain's code unwraps
+    groups in one way only."""
+    return trio.open_nursery(strict_exception_groups=True)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -432,7 +472,7 @@ async def open_background_nursery():
     """A nursery for background services: cancelled when the body ends. Unlike a plain
     nursery, an exception from the body comes out as itself, not wrapped in an
     ExceptionGroup, so users see their own error."""
-    manager = trio.open_nursery()
+    manager = open_strict_nursery()
     nursery = await manager.__aenter__()
     try:
         yield nursery
@@ -867,6 +907,22 @@ def request_text(req):
         except NotImplementedError:  # (a kind of the user's own need not say)
             return repr(part)
     return " & ".join(one(kind, part) for kind, part in req._parts().items()) or repr(req)
+
+
+def amounts_text(res):
+    """What a worker offers, in amounts (``3 cores, 23.5 GB``) as a request is said: its
+    repr names the core ids (``CPU_Cores([0-2])``), which the reader would have to count."""
+    def one(kind, part):
+        if kind == "WTime":
+            return f"{format_walltime(part.remaining())} of walltime"
+        if kind == "Token":
+            return f"token {part.token!r}"
+        words = {"Cores": "core", "Memory": "GB", "Gpus": "GPU"}.get(kind)
+        if words is None:
+            return request_text(part)
+        n = round(part._stat()[1], 1)
+        return f"{n:g} {words}{'s' if n != 1 and kind != 'Memory' else ''}"
+    return ", ".join(one(kind, part) for kind, part in res._parts().items()) or repr(res)
 
 
 ###############################################################################
@@ -1604,6 +1660,26 @@ def default_key_path():
     return os.path.join(os.path.expanduser("~"), ".local", "share", "grain", "key")
 
 
+def _create_key_file(path):
+    """A new key at ``path``, never seen half written: two workers starting at once on a
+    fresh home (``up -n 2``) race here, and the loser must read the winner's 32 bytes, not
+    an empty file. The key is written to a private file beside it, then hard-linked into
+    place (atomic, and refused if the name exists, on NFS too); the loser keeps the winner's."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = os.path.join(directory, f".key-{os.getpid()}-{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
 def load_auth_key(path=None):
     """The shared secret: 32 random bytes in a file only its owner can read.
 
@@ -1613,14 +1689,8 @@ def load_auth_key(path=None):
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process made it just now
-            return load_auth_key(path)
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(32))
-        return load_auth_key(path)
+        _create_key_file(path)
+        fd = os.open(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(f.fileno()).st_mode
         if mode & 0o077:
@@ -2054,7 +2124,7 @@ async def accept_one(listeners, key):
                 await stream.aclose()
 
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             for listener in listeners:
                 nursery.start_soon(accept_from, listener)
             stream = await receive.receive()
@@ -2082,7 +2152,7 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
         return
     listeners, urls = await open_listeners(url)
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, on_accept, listeners)
             task_status.started(urls)
     finally:
@@ -2118,7 +2188,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
             await handler(stream, _order_urls(dialer)[0])
 
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, on_accept, listeners)
             first = True
             while True:
@@ -2440,7 +2510,7 @@ async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, ch
         preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None)
     out, err = bytearray(), bytearray()
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             if proc.stdout is not None:
                 nursery.start_soon(_drain, proc.stdout, out)
             if proc.stderr is not None:
@@ -2512,6 +2582,10 @@ def _subproc_child_main(result_fd):
         return 0
     sys.path[:] = pickle.loads(init)
     environ = dict(os.environ)
+    # Upstream's pool process binds GVAR where the script's functions look names up, and
+    # scripts written for it read GVAR.res without importing it. A function of the script
+    # comes here by value with only the globals it found there: a builtin is seen by all.
+    builtins.GVAR = GVAR
     while True:
         frame = read_frame()
         if frame is None:
@@ -3313,9 +3387,11 @@ def backendless_workers(s):
 
 def worker_command(s, grain_path=None):
     """The worker line of a worker job script: the same grain.py under ``script.python``,
-    offering worker_resources(s)."""
-    argv = boot_argv(s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
-                     "--res", json.dumps(worker_resources(s), separators=(",", ":")))
+    offering worker_resources(s). Plain ``python /path/grain.py worker ...``, what a person
+    reading the script (``up --dry``) expects: one worker a node does not need the cached
+    bytecode that the pool's processes, started by the hundred, are booted from."""
+    argv = [s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
+            "--res", json.dumps(worker_resources(s), separators=(",", ":"))]
     if s.contextmod:
         argv += ["--context", os.path.abspath(s.contextmod)]
     if s.specialized_type:
@@ -4731,8 +4807,7 @@ class Scheduler:
                 continue
             q.warned_at = now
             if self.workers:
-                big = max(self.workers, key=lambda w: _size_key(w.total))
-                where = f"the largest worker is {big.name} with {big.offered!r}"
+                where = f"the largest worker is {self.largest()}"
             else:
                 where = ("no worker has joined yet (give run() local=..., or start workers "
                          "with `python grain.py up`)")
@@ -4746,9 +4821,13 @@ class Scheduler:
         """Why ``job`` fits no worker, even idle (None when one could run it)."""
         if any(w.total.request(job.req) for w in self.workers):
             return None
-        big = max(self.workers, key=lambda w: _size_key(w.total), default=None)
         return (f"job {job.name} asks {request_text(job.req)}, more than any worker has" +
-                (f" (the largest: {big.name} with {big.offered!r})" if big else ""))
+                (f" (the largest: {self.largest()})" if self.workers else ""))
+
+    def largest(self):
+        """The largest worker and what it offers, in words ("w1 with 3 cores, 23.5 GB")."""
+        big = max(self.workers, key=lambda w: _size_key(w.total))
+        return f"{big.name} with {amounts_text(big.offered)}"
 
     def explain(self):
         """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
@@ -4785,9 +4864,8 @@ class Scheduler:
                         f"on {w.name}")
         large = [w for w in workers if w.total.request(req)]
         if not large:
-            big = max(workers, key=lambda w: _size_key(w.total))
             return (f"no worker is large enough: it asks {request_text(req)}; the largest "
-                    f"is {big.name} with {big.offered!r}")
+                    f"is {self.largest()}")
         room = [w for w in large if w.res.request(req)]
         if room:
             held = [w for w in room if w.reserved_for is not None]
@@ -4978,7 +5056,7 @@ class HeadService:
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until cancelled; started() with the URLs once peers can connect."""
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             self.urls = await nursery.start(serve, self.listen, self.key,
                                             self.handle_connection)
             if self.job_book is not None:
@@ -5032,7 +5110,7 @@ class HeadService:
                             "mission that is its own head runs specialized workers' jobs")
         module = load_module(sworker["type"], "specialized worker type")
         async with module.grain_context(**sworker["info"]) as value, \
-                trio.open_nursery() as jobs:  # its jobs run here; gone when it goes
+                open_strict_nursery() as jobs:  # its jobs run here; gone when it goes
             await self._serve_worker(channel, info, SpecializedWorker(
                 self.owner, *args, jobs, value, *more))
 
@@ -5384,8 +5462,8 @@ class MissionRecord:
 
     def summary(self, jobs):
         t = self.totals(jobs)
-        share = f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%})" \
-            if t["held"] else ""
+        share = (f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%} "
+                 "utilization)") if t["held"] else ""
         unended = t["jobs"] - t["done"] - t["failed"]
         jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done, {t['failed']} failed, {unended} "
                                       "not ended)" if unended else "")
@@ -6224,7 +6302,7 @@ class GrainExecutor:
                     self._submit(res, fn, args, kwargs)
 
         _default_logging()
-        trio.run(run_all)
+        trio_run(run_all)
         return False
 
 
@@ -6287,7 +6365,7 @@ async def open_waitgroup():
     for every job; if some failed, raises an ExceptionGroup of their errors (the results of
     the others stay in ``wg.results``)."""
     exer = _current_executor("grain.open_waitgroup()")
-    async with trio.open_nursery() as nursery:
+    async with open_strict_nursery() as nursery:
         wg = WaitGroup(exer, nursery)
         yield wg
     errors = []
@@ -6370,7 +6448,7 @@ async def _run_mission(mains, single, executor_args, executor_kwargs):
         async def one(i, m):
             results[i] = await m()
 
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             for i, m in enumerate(mains):
                 nursery.start_soon(one, i, m)
         return results
@@ -6391,7 +6469,7 @@ def _start_mission(main, executor_args, executor_kwargs, config_file, address,
     except GrainError as e:
         raise e.with_traceback(None) from None
     try:
-        return trio.run(_run_mission, mains, len(mains) == 1 and callable(main),
+        return trio_run(_run_mission, mains, len(mains) == 1 and callable(main),
                         executor_args, {**executor_kwargs, **options})
     except _SetupFailed as e:
         raise e.error.with_traceback(None) from None
@@ -6810,7 +6888,7 @@ async def QueueLimiter(conc):
             task_status.started(placeholder)
             await placeholder  # the slot is free again once its job has ended
 
-    async with trio.open_nursery() as nursery:
+    async with open_strict_nursery() as nursery:
         def limited(dfn):
             async def call(*args, **kwargs):
                 return await nursery.start(hold_slot, dfn, args, kwargs)
@@ -6842,7 +6920,7 @@ async def open_nursery_with_capacity(conc):
     """A trio nursery with ``start_once_acquired(fn, *args)``, which waits until fewer than
     ``conc`` of the tasks it started run, then starts ``fn(*args)`` (upstream's
     grain.util)."""
-    async with trio.open_nursery() as nursery:
+    async with open_strict_nursery() as nursery:
         yield _CappedNursery(nursery, _check_count(conc, "open_nursery_with_capacity(conc)"))
 
 
@@ -7105,7 +7183,7 @@ class WorkerProcess:
     async def serve(self, stream, res, reconnect):
         """Serve the head at ``stream``, offering ``res`` (None: what the head assigns);
         then any head ``reconnect()`` reaches."""
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._watch_signals)
             lost = await self._session(stream, res)
@@ -7360,7 +7438,7 @@ async def _reach_head(url, listen, key, provider):
                 signalled.append(signal.Signals(signum).name)
                 waiting.cancel()
 
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             nursery.start_soon(stop_on_signal)
             try:
                 return await connect(url, key, wait=True)
@@ -7548,7 +7626,7 @@ class HeadDaemon:
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             urls = await nursery.start(self.service.run)
             nursery.start_soon(self.reunion.run, self._push_held)
             if self.mission_socket:
@@ -7761,7 +7839,7 @@ async def head_main(s, worker, key, idle_quit=None):
         log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
                     "of upstream's Go daemon", " ".join(s.daemon_extra_args))
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
+        async with open_strict_nursery() as nursery:
             async def on_signal():
                 async for signum in signals:
                     log.info("got %s; stopping", signal.Signals(signum).name)
@@ -8085,20 +8163,6 @@ def format_ls(stats):
     return "\n".join(lines)
 
 
-def _package_version(name, version_file):
-    """A package's ``__version__``, read from its source when it is not imported yet:
-    `--version` should not pay for importing trio."""
-    module = sys.modules.get(name)
-    if module is None:
-        with contextlib.suppress(Exception):
-            spec = importlib.util.find_spec(name)
-            path = os.path.join(os.path.dirname(spec.origin), version_file)
-            text = spec.loader.get_data(path).decode()  # a file, or a member of grain.pyz
-            return re.search(r"^__version__ = ['\"]([^'\"]+)", text, re.M).group(1)
-        module = importlib.import_module(name)
-    return getattr(module, "__version__", "?")
-
-
 def _versions():
     where = " bundle" if os.path.isfile(os.path.dirname(os.path.abspath(__file__))) else ""
     tomli = "" if sys.version_info >= (3, 11) or tomllib is None else \
@@ -8229,20 +8293,34 @@ def _cmd_worker(args):
             reattach = parse_duration(args.reattach, "--reattach")
         except ValueError as e:
             raise UsageError(f"{e}") from None
-    return trio.run(functools.partial(worker_main, url=url, res=res, name=args.name,
+    return trio_run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,
                                       max_frame=args.max_frame, sworker=args.sworker or None,
                                       reattach=reattach))
 
 
+class _CliTarget(namedtuple("_CliTarget", "settings address key why")):
+    """The head a CLI command talks to: the worker settings, its address, the key (None:
+    there is no key file, so no head of ours is there) and what to say when none answers."""
+
+    def nobody(self):
+        return GrainError(f"no head is listening at {self.address} ({self.why})")
+
+
 def _cli_target(args):
-    """(worker settings, address, key) for ls/quit."""
     s = load_config(args.config).role("worker")
-    key_path = args.key or s.auth_key or None
-    if key_path and not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes none)
-        raise UsageError(f"no key file at {key_path} (a head makes its key when it starts)")
-    return s, args.address or s.cli_dial, load_auth_key(key_path)
+    if args.address:
+        origin = "given with -a"
+    else:   # the first of these that is set decides, as in RoleSettings
+        origin = next((f"worker.{k} in {load_config(args.config).path}" for k, default in (
+            ("cli_dial", s.dial), ("dial", s.address), ("address", default_address()))
+            if getattr(s, k) != default), "the default Edge file")
+    key_path = args.key or s.auth_key
+    if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
+        return _CliTarget(s, args.address or s.cli_dial, None, f"{origin}; no key file at "
+                          f"{key_path} either: a head makes its key when it starts")
+    return _CliTarget(s, args.address or s.cli_dial, load_auth_key(key_path), origin)
 
 
 def submitted_jobs(book, s, joined):
@@ -8276,11 +8354,11 @@ def format_jobs(records):
     return lines
 
 
-def _cli_call(address, key, *msg):
+def _cli_call(target, *msg):
     """Send one command to the head; GrainError if none answers or it refuses."""
-    reply = trio.run(cli_request, address, key, *msg)
-    if reply is None:
-        raise GrainError(f"no head is listening at {address}")
+    reply = target.key and trio_run(cli_request, target.address, target.key, *msg)
+    if not reply:
+        raise target.nobody()
     if "error" in reply:
         raise GrainError(reply["error"])
     return reply
@@ -8296,7 +8374,7 @@ def _cmd_head(args):
         s, worker = replace(s, listen=args.address), replace(worker, dial=args.address)
     idle_quit = parse_duration(args.idle_quit, "--idle-quit") if args.idle_quit else None
     key = load_auth_key(args.key or s.auth_key or None)
-    return trio.run(head_main, s, worker, key, idle_quit)
+    return trio_run(head_main, s, worker, key, idle_quit)
 
 
 def _cmd_at_head(args):
@@ -8304,18 +8382,18 @@ def _cmd_at_head(args):
     if args.command == "scale" and args.n < 0:
         raise UsageError(f"N must be a whole number >= 0, got {args.n}")
     arguments = {"stop": (), "scale": ("n",), "quit": ("pattern", "force")}[args.command]
-    s, address, key = _cli_target(args)
-    reply = _cli_call(address, key, args.command, *(getattr(args, a) for a in arguments))
+    reply = _cli_call(_cli_target(args), args.command, *(getattr(args, a) for a in arguments))
     for line in reply["done"]:
         print(line)
     return 1 if reply.get("matched") == 0 else 0  # (quit: no worker matched the pattern)
 
 
-def _ls_frame(s, address, key, as_json):
+def _ls_frame(target, as_json):
     """``(text, trouble)``: what `ls` shows now, and why no head's view is in it (None:
     a head answered)."""
-    stats = trio.run(cli_request, address, key, "stats")
-    trouble = None if stats else f"no head is listening at {address}"
+    s, address, key, _ = target
+    stats = key and trio_run(cli_request, address, key, "stats")
+    trouble = None if stats else str(target.nobody())
     joined = set(stats["joined_job_ids"]) if stats else set()
     submitted = submitted_jobs(JobBook(address), s, joined)
     if as_json:
@@ -8330,9 +8408,9 @@ def _cmd_ls(args):
     if args.watch is not None and not 0 < args.watch <= 86400:  # (NaN too)
         raise UsageError(f"--watch takes a number of seconds above 0 (a day at most), got "
                          f"{args.watch:g}")
-    s, address, key = _cli_target(args)
+    target = _cli_target(args)
     if args.watch is None:
-        text, trouble = _ls_frame(s, address, key, args.json)
+        text, trouble = _ls_frame(target, args.json)
         if text:
             print(text)
         if trouble and not args.json:
@@ -8341,13 +8419,13 @@ def _cmd_ls(args):
     redraw = "\x1b[H\x1b[J" if sys.stdout.isatty() else ""  # home, clear: in place
     try:
         while True:
-            text, trouble = _ls_frame(s, address, key, args.json)
+            text, trouble = _ls_frame(target, args.json)
             if trouble and not args.json:
                 text = f"{text}\n{trouble}".lstrip("\n")
             stamp = time.strftime("%H:%M:%S")
             sys.stdout.write(f"{redraw}{text}\n" if args.json else
-                             f"{redraw}{address} at {stamp} (every {args.watch:g} s; Ctrl-C "
-                             f"ends)\n{text}\n{'' if redraw else chr(10)}")
+                             f"{redraw}{target.address} at {stamp} (every {args.watch:g} "
+                             f"s; Ctrl-C ends)\n{text}\n{'' if redraw else chr(10)}")
             sys.stdout.flush()
             time.sleep(args.watch)
     except KeyboardInterrupt:
@@ -8355,11 +8433,11 @@ def _cmd_ls(args):
 
 
 def _cmd_explain(args):
-    s, address, key = _cli_target(args)
-    stats = _cli_call(address, key, "stats")
+    target = _cli_target(args)
+    stats = _cli_call(target, "stats")
     lines = format_waiting(stats.get("waiting", ())) or ["no job is waiting"]
     if not stats["workers"]:  # what the submitted worker jobs are doing
-        lines += format_jobs(submitted_jobs(JobBook(address), s, set()))
+        lines += format_jobs(submitted_jobs(JobBook(target.address), target.settings, set()))
     print("\n".join(lines))
     return 0
 
