@@ -3747,6 +3747,7 @@ class ResultStore:
         self._writer = None  # (process, its input, its output) while it writes
         self._in_flight = False  # a batch sent to the writer, not yet acknowledged
         self.held = False
+        self.crashed = False  # the mission that held it last died holding it
         self._lock = threading.Lock()  # the database, between threads
 
     # -- opening and holding -------------------------------------------------------
@@ -3826,6 +3827,7 @@ class ResultStore:
             except FileExistsError:
                 if not self._stale_holder():
                     raise
+                self.crashed = True
                 continue  # the holder died: its file was removed; take it
             except OSError as e:
                 why = output_path_problem(self.path) or \
@@ -4037,7 +4039,9 @@ class MissionResults:
 
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
-        "running" when it was running when the last run of this mission ended."""
+        "running" when it was, or may have been, running when the last run of this mission
+        ended: the last run died, and a job it sent within STORE_FLUSH_S of its death has
+        no entry yet, though its worker may still run it."""
         fn = job.fn
         try:
             digest = self._functions.get(fn) or self._function(fn)
@@ -4055,7 +4059,7 @@ class MissionResults:
         job.wire = wire = f"{key}#{n}"
         state = self.store.states.get(wire) if self.store.states else None
         if state is None:  # (a new job: the common case)
-            return None
+            return "running" if self.store.crashed else None
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
         return state if state == "running" else None
@@ -4406,10 +4410,12 @@ class RemoteWorker(Worker):
             self.owner.reunion.worker_finished(jid, (ok, data, duration, kind))
 
     def release_orphan(self, jid):
+        """A job this worker came back with ended: its resources take queued jobs now."""
         alloc = self.orphans.pop(jid, None)
         if alloc is not None:
             self.res.dealloc(alloc)
             self.running -= 1
+            self.owner.scheduler.pump()
 
     def status(self):
         return "leaving" if self.leaving else super().status()
@@ -4627,6 +4633,15 @@ class Scheduler:
         job.queue.jobs.appendleft(job)
         job.queue.run = 0
         self.n_queued += 1
+
+    def claim(self, wire):
+        """The job ``wire`` taken out of the queue it waits in (a worker came back running
+        it, or with its result), or None. A scan: this happens when a worker comes back."""
+        for queue in self.queues:
+            for job in queue.jobs:
+                if job.wire == wire:
+                    return job if self.withdraw(job) else None
+        return None
 
     def withdraw(self, job):
         """Take ``job`` out of its queue (a worker came back running it); False when it
@@ -4924,6 +4939,7 @@ async def receive_all(channel, handlers):
 def _adopt(job, w, alloc):
     """``job`` runs on ``w`` already: its worker came back to this head with it."""
     job.state, job.alloc, job.worker = "running", alloc, w
+    job.started = _now()  # (for this head's totals; its duration is what the worker says)
     job.attempts += 1
     w.jobs[job.wire] = job
 
@@ -4933,18 +4949,17 @@ class Reunion:
     head daemon died and another started, or a mission that was its own head was run
     again. A worker that comes back reports, by wire id, the jobs it still runs and the
     results of those that ended while it was alone; the owner offers it the jobs it has.
-    A job that was running when the old head went is held for REJOIN_WAIT_S after this
-    head started, in case its worker comes back; a job a worker comes back with that no
-    one claims within ORPHAN_WAIT_S is cancelled there. A worker that comes back later
-    than REJOIN_WAIT_S still gets its job if the job waits in the queue (``withdraw(job)``
-    takes it out; False if it started again). (Only string wire ids outlive a head: a
-    store's keys, a mission's token and id.) ``deliver(job, ok, data, duration, kind)``
-    hands a job a result a worker reported."""
+    A job that was (or may have been) running when the old head went is held for
+    REJOIN_WAIT_S after this head started, in case its worker comes back; a job a worker
+    comes back with that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
+    comes first, the job or its worker's report, the other finds it: a report finds a job
+    that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
+    (Only string wire ids outlive a head: a store's keys, a mission's token and id.)
+    ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
-    def __init__(self, deliver, clock=_now, withdraw=None):
-        self.deliver, self.clock, self.withdraw = deliver, clock, withdraw
+    def __init__(self, deliver, clock=_now, claim=lambda wire: None):
+        self.deliver, self.clock, self.claim = deliver, clock, claim
         self.held = {}           # wire -> job waiting for its worker to come back
-        self.requeued = {}       # wire -> job held in vain, then queued
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.hold_until = clock() + REJOIN_WAIT_S
@@ -4970,32 +4985,31 @@ class Reunion:
             raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
         w.res.claim(alloc)
         w.running += 1
+        job = self._claimed(wire)
+        if job is not None:
+            _adopt(job, w, alloc)
+            return
+        w.orphans[wire] = alloc
         if type(wire) is not str:  # its old head's number: no job here can claim it
-            w.orphans[wire] = alloc
             w.channel.send(("cancel", wire))
-        elif wire in self.held:
-            _adopt(self.held.pop(wire), w, alloc)
-        elif self._withdrawn(wire):
-            _adopt(self.requeued.pop(wire), w, alloc)
         else:
-            w.orphans[wire] = alloc
             self.running[wire] = (w, self.clock())
 
     def worker_finished(self, wire, result):
         """A worker reports the result of a job that ended while it had no head."""
         self.running.pop(wire, None)
-        job = self.held.pop(wire, None)
-        if job is None and self._withdrawn(wire):
-            job = self.requeued.pop(wire)
+        job = self._claimed(wire)
         if job is not None:
             self.deliver(job, *result)
         elif type(wire) is str:
             self.finished[wire] = (result, self.clock())
 
-    def _withdrawn(self, wire):
-        """Was the job ``wire`` queued again after its hold, and is it out of the queue now?"""
-        job = self.requeued.get(wire)
-        return job is not None and self.withdraw is not None and self.withdraw(job)
+    def _claimed(self, wire):
+        """The job ``wire`` if it waits here, held or queued (taken out), else None."""
+        if type(wire) is not str:
+            return None
+        job = self.held.pop(wire, None)
+        return job if job is not None else self.claim(wire)
 
     def worker_left(self, w):
         for wire in getattr(w, "orphans", ()):
@@ -5011,13 +5025,9 @@ class Reunion:
             log.warning("%d job(s) that were running when the last head went run again: "
                         "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
         for job in held:
-            self.requeued[job.wire] = job
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
-            for wire, job in list(self.requeued.items()):  # no worker can claim these now
-                if job.state in ("done", "failed") or getattr(job.queue, "gone", False):
-                    del self.requeued[wire]  # (one running elsewhere may be queued again)
             old = self.clock() - ORPHAN_WAIT_S
             for wire, (w, since) in list(self.running.items()):
                 if since < old:
@@ -5452,9 +5462,11 @@ class MissionRecord:
         """jobs (with resources), done, failed, and core-seconds used and held."""
         end, ran = _now() if end is None else end, [j for j in jobs if j.started is not None]
         # (what its worker measured, when it ended: a job handed to a head daemon "started"
-        # when it went there, and may have waited in its queue)
-        used = sum(_job_cores(j) * (j.duration if j.duration is not None and j.ended else
-                                    (j.ended or end) - j.started) for j in ran)
+        # when it went there, and may have waited in its queue; but no more than it ran
+        # here: one a worker came back with ran for the last head too)
+        used = sum(_job_cores(j) * min((j.ended or end) - j.started, j.duration if
+                                       j.duration is not None and j.ended else math.inf)
+                   for j in ran)
         held = sum(_cores_of(w.total) * ((left or end) - joined)
                    for w, joined, left in self.workers)
         return {"jobs": len(ran), "done": sum(j.state == "done" for j in ran),
@@ -6217,7 +6229,7 @@ class GrainExecutor:
                        for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
-        self.reunion = Reunion(self._deliver, withdraw=self.scheduler.withdraw)
+        self.reunion = Reunion(self._deliver, claim=self.scheduler.claim)
         self._nursery.start_soon(self.reunion.run, self._queue)
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
@@ -7622,7 +7634,7 @@ class HeadDaemon:
         self.closing = False
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
-        self.reunion = Reunion(self._deliver, withdraw=self.scheduler.withdraw)
+        self.reunion = Reunion(self._deliver, claim=self.scheduler.claim)
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""

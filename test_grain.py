@@ -3801,7 +3801,7 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
         store.close()
     assert not (tmp_path / "r.db.holder").exists()
     reopened = grain.ResultStore(path).open()
-    assert reopened.states == {"k1": "done", "k2": "failed"}
+    assert reopened.states == {"k1": "done", "k2": "failed"} and not reopened.crashed
     reopened.close()
     cp = run_py(GRAIN, "results", str(path), "--state", "failed")
     assert cp.returncode == 2 and "--state failed goes with --forget" in cp.stderr
@@ -3813,7 +3813,16 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     # a holder that died (same host, pid gone) is taken over
     (tmp_path / "r.db.holder").write_text(_json.dumps({"host": grain.hostname(),
                                                         "pid": 2 ** 22 + 1, "since": 0}))
-    grain.ResultStore(path).open().close()
+    taken = grain.ResultStore(path).open()
+    taken.close()
+    # ... and then a job it has no entry for may have been running (sent within
+    # STORE_FLUSH_S of its death): held for its worker, as one with a "running" entry
+    assert taken.crashed
+    results = grain.MissionResults(str(path))
+    results.store = taken
+    assert results.known(grain.Job(1, Cores(1), len, (), {})) == "running"
+    taken.crashed = False
+    assert results.known(grain.Job(2, Cores(1), len, ("x",), {})) is None
     # truncated by hand: one line naming it, from run() and from the command line
     data = path.read_bytes()
     path.write_bytes(data[:100])
@@ -3973,6 +3982,69 @@ STORE_MISSION = textwrap.dedent("""
 """)
 
 
+OWN_HEAD_MISSION = textwrap.dedent("""
+    import json, os, sys, trio
+    sys.path.insert(0, {here!r})
+    import grain
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores, ZERO
+    if sys.argv[1:] == ["unflushed"]:   # the kill lands before any "running" entry is written
+        grain.STORE_FLUSH_S = 3600
+
+    @delayed
+    async def work(i):
+        import os, trio
+        fd = os.open({runs!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{{i}} {{os.getpid()}}\\n".encode())
+        os.close(fd)
+        await trio.sleep({seconds})
+        return i * i
+
+    async def main():
+        return await each((work @ Cores(1))(i) for i in range(4))
+
+    print(json.dumps(run(main, local=ZERO, address={edge!r}, results={store!r},
+                         config_file=False)))
+""")
+
+
+def own_head_mission_killed_then_run_again(tmp_path, workers, unflushed, seconds=3):
+    """Issue 23's scenario: two workers that reattach serve a mission that is its own head;
+    it is killed (kill -9) while its four jobs run, and run again 1.5 s later. Returns the
+    second run's stdout (json) and the runs the jobs recorded, as (job, worker pid)."""
+    runs, edge = tmp_path / "runs", f"edge://{tmp_path}/edge"
+    script = tmp_path / "mission.py"
+    script.write_text(OWN_HEAD_MISSION.format(here=HERE, runs=str(runs), edge=edge,
+                                              store=str(tmp_path / "own.db"), seconds=seconds))
+    for name in ("w1", "w2"):
+        workers.start("--url", edge, "--res", '{"Cores": {"N": 2}}', "--reattach", "2m",
+                      name=name)
+    first = subprocess.Popen([sys.executable, str(script)] + ["unflushed"] * unflushed,
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: runs.exists() and len(runs.read_text().splitlines()) == 4, 60,
+                 "the four jobs to start")
+    finally:
+        first.kill()
+        first.wait()
+    time.sleep(1.5)   # (the scenario's pause: the workers notice and wait for a head)
+    again = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    return again.stdout, sorted(tuple(line.split()) for line in runs.read_text().splitlines())
+
+
+@pytest.mark.parametrize("unflushed", [True, False], ids=["before-the-store-wrote",
+                                                          "after-the-store-wrote"])
+def test_a_mission_its_own_head_killed_and_run_again_takes_its_jobs_back(tmp_path, workers,
+                                                                        unflushed):
+    # It hung for ever when the kill came before the store wrote the jobs' "running"
+    # entries (issue 23): its jobs were queued, and their workers' reports found nothing.
+    out, ran = own_head_mission_killed_then_run_again(tmp_path, workers, unflushed)
+    assert _json.loads(out) == [0, 1, 4, 9]
+    assert [job for job, _ in ran] == ["0", "1", "2", "3"]   # each ran once, in all
+
+
 def test_a_mission_killed_at_random_resumes_from_its_store(tmp_path):
     import random
     runs, store = tmp_path / "runs", tmp_path / "campaign.db"
@@ -4078,9 +4150,11 @@ def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
     assert reunion.offer(c, hold=True) and "c" in reunion.held   # its worker may come yet
     assert not reunion.offer(job("d"))                            # never ran: queue it
     # "a" ends as any job would; the cancelled one comes back as cancelled
-    w.owner = types.SimpleNamespace(job_reported=lambda *a: None, reunion=reunion)
+    pumps = []
+    w.owner = types.SimpleNamespace(job_reported=lambda *a: None, reunion=reunion,
+                                    scheduler=types.SimpleNamespace(pump=lambda: pumps.append(1)))
     w.on_cancelled(7)
-    assert w.res.N == 1 and w.running == 2
+    assert w.res.N == 1 and w.running == 2 and pumps == [1]   # freed cores take queued jobs
     now[0] = grain.REJOIN_WAIT_S + 1
     assert not reunion.offer(job("e"), hold=True)                 # too late to hold
 
@@ -4111,7 +4185,7 @@ async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autoj
     sched.add_queue(queue)
     delivered = []
     reunion = grain.Reunion(lambda job, *result: delivered.append((job.wire, result)),
-                            clock=trio.current_time, withdraw=sched.withdraw)
+                            clock=trio.current_time, claim=sched.claim)
     jobs = []
     for wire in ("late", "done late", "started"):
         j = grain.Job(wire, Cores(1), None, (), {})
@@ -4134,25 +4208,39 @@ async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autoj
         nursery.cancel_scope.cancel()
 
 
-@trio_test
-async def test_a_head_forgets_the_held_jobs_no_worker_can_claim_any_more(autojump_clock):
-    reunion = grain.Reunion(None, clock=trio.current_time, withdraw=lambda job: True)
-    mine, other = grain.MissionQueue(None, {"name": "a"}), grain.MissionQueue(None, {})
+def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
+    # The hang of issue 23: a mission killed within STORE_FLUSH_S of sending its jobs left
+    # no "running" entry, so the next run queued them unheld; then their workers came back
+    # running them. The reports must find the queued jobs; and when a job a worker came
+    # back with ends, its cores must take the next queued job.
+    sched = grain.Scheduler()
+    queue = grain.JobQueue("m")
+    sched.add_queue(queue)
+    delivered = []
+    reunion = grain.Reunion(lambda job, *result: delivered.append((job.wire, result)),
+                            claim=sched.claim)
     jobs = {}
-    for wire, queue in (("ended", mine), ("runs", mine), ("its mission left", other)):
+    for wire in ("runs", "ended", "next"):
         jobs[wire] = j = grain.Job(wire, Cores(1), None, (), {}, queue)
         j.wire = wire
-        assert reunion.offer(j, hold=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(reunion.run, lambda job: None)
-        await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
-        assert set(reunion.requeued) == set(jobs)     # queued again: a worker may yet come
-        jobs["ended"].state = "done"                  # it ran elsewhere and ended
-        jobs["runs"].state = "running"                # (it may be queued again: kept)
-        other.gone = True                             # a mission left the daemon
-        await trio.sleep(grain.ORPHAN_WAIT_S / 5)
-        assert set(reunion.requeued) == {"runs"}
-        nursery.cancel_scope.cancel()
+        assert not reunion.offer(j)   # no entry, too late to hold: queued
+        sched.push(j)
+    assert sched.n_queued == 3
+    w = _returning_worker(cores=2)
+    w.owner = types.SimpleNamespace(scheduler=sched, reunion=reunion)
+    started = []
+    w.start = started.append
+    # as a registration: the jobs it runs first, then it joins the scheduler
+    reunion.worker_runs(w, "runs", Cores([0]))
+    assert jobs["runs"].worker is w and w.jobs["runs"] is jobs["runs"]
+    reunion.worker_runs(w, "gone", Cores([1]))   # (a job no one here has: an orphan)
+    sched.add_worker(w)
+    reunion.worker_finished("ended", (True, b"v", 1.0, None))
+    assert delivered == [("ended", (True, b"v", 1.0, None))]
+    assert list(queue.jobs) == [jobs["next"]] and sched.n_queued == 1 and started == []
+    w.on_done("gone", True, b"w", 1.0)   # the orphan ends: its core takes "next"
+    assert started == [jobs["next"]] and sched.n_queued == 0
+    assert reunion.finished["gone"][0] == (True, b"w", 1.0, None)
 
 
 @dataclasses.dataclass
