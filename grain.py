@@ -6058,7 +6058,8 @@ class GrainExecutor:
             if state == "stored":  # done before: not again
                 self._nursery.start_soon(self._complete_stored, job)
                 return
-            if self.reunion.offer(job, hold=state == "running"):  # its worker may be back
+            # held while its worker may come back (none can, to a mission listening nowhere)
+            if self.reunion.offer(job, hold=state == "running" and not self._workers_fixed):
                 return
         if self._workers_fixed and (why := self.scheduler.too_large(job)):  # never to run
             self._complete(job, None, GrainError(f"{why}, and no other worker can join this "
@@ -7270,8 +7271,13 @@ class WorkerProcess:
                 kept += 1
             else:  # the old head's number: no new head can claim it
                 scope.cancel()
-        since = trio.current_time() - RESEND_S
-        self.outbox[:0] = [msg for t, msg in self.recent if t > since]
+        # Of the results of one job, only the last goes again, and none while it runs: the
+        # head ran it again after the earlier (a retry), which a new head must not retry.
+        since, last = trio.current_time() - RESEND_S, {}
+        for t, msg in self.recent:
+            if t > since and msg[1] not in self.running:
+                last[msg[1]] = msg
+        self.outbox[:0] = last.values()
         self.recent.clear()
         log.warning("lost the head (%s); keeping %d running job(s) and looking for a head "
                     "for %g s (worker.reattach)", how, kept, self.reattach)
