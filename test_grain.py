@@ -913,7 +913,8 @@ async def test_seed_tutorial_timings(autojump_clock):
     ("tutorial_resources.py", ["elevated_sum([1, 2, 3]) = 9", "with resource CPU_Cores([0])"]),
     ("tutorial_parallel.py", ["elevated_sum([7, 8, 9]) = 27", "elevated_sum([4, 5, 6]) = 18",
                               "elevated_sum([1, 2, 3]) = 9", "[9, 18, 27]"]),
-    ("subproc.py", ["Running in a subprocess with CPU_Cores(["]),
+    # upstream's own example, reading GVAR it did not import
+    ("subproc.py", ["Running in a subprocess with CPU_Cores([0])\n" * 2]),
     ("programs.py", ["3 squared is 9 (2 thread(s))", "[1, 4, 9, 16]"]),
 ])
 def test_examples_run_unchanged(script, expect):
@@ -1124,32 +1125,6 @@ async def test_subprocify_pins_cores_and_sees_gvar():
     assert await _in_mission(main, local=Cores(allowed[:1]))
 
 
-
-UPSTREAM_SUBPROC_EXAMPLE = '''\
-from grain.subproc import subprocify, subprocess_pool_scope
-from grain.resource import Cores
-from grain.delayed import delayed, run
-@delayed
-@subprocify
-def f(x):
-    """a synchronous, computationally intensive function"""
-    print(f"Running in a subprocess with {GVAR.res}")
-    return x**2
-async def main():
-    async with subprocess_pool_scope():
-        assert await (f @ Cores(1))(1) == 1
-        assert await (f @ Cores(1))(2) == 4
-# Run with CPU cores 0, 1
-run(main, config_file=False, rpw=Cores([0, 1]))
-'''
-
-
-def test_upstreams_subprocify_example_runs_unchanged_reading_gvar_it_did_not_import(tmp_path):
-    # upstream's API documentation, verbatim: its pool process binds GVAR for the script
-    (tmp_path / "example.py").write_text(UPSTREAM_SUBPROC_EXAMPLE)
-    cp = run_py("example.py", cwd=tmp_path, env=dict(os.environ, PYTHONPATH=HERE))
-    assert cp.returncode == 0, cp.stderr
-    assert cp.stdout.splitlines() == ["Running in a subprocess with CPU_Cores([0])"] * 2
 
 @trio_test
 async def test_subprocify_refuses_a_job_without_cores():

@@ -1,4 +1,6 @@
 """Seed 003: a CPU-bound sync function run in the subprocess pool, pinned to its core.
+As upstream's documentation has it: ``f`` reads ``GVAR`` without importing it (the pool
+process binds it, as upstream's does).
 
     python examples/subproc.py
 """
@@ -10,7 +12,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from grain.subproc import subprocify, subprocess_pool_scope
 from grain.resource import Cores
 from grain.delayed import delayed, run
-from grain import GVAR
 
 
 @delayed
