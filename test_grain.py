@@ -1125,7 +1125,6 @@ async def test_subprocify_pins_cores_and_sees_gvar():
     assert await _in_mission(main, local=Cores(allowed[:1]))
 
 
-
 @trio_test
 async def test_subprocify_refuses_a_job_without_cores():
     async def main():
