@@ -4962,6 +4962,7 @@ class Reunion:
         self.held = {}           # wire -> job waiting for its worker to come back
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
+        self.failed = {}         # wire -> a failure reported while jobs are held (see below)
         self.hold_until = clock() + REJOIN_WAIT_S
 
     def offer(self, job, hold=False):
@@ -4996,8 +4997,14 @@ class Reunion:
             self.running[wire] = (w, self.clock())
 
     def worker_finished(self, wire, result):
-        """A worker reports the result of a job that ended while it had no head."""
+        """A worker reports the result of a job that ended while it had no head. A failure
+        waits for the end of the hold: it may be one the last head retried on another
+        worker, which comes back with the job's success (that one wins)."""
         self.running.pop(wire, None)
+        if not result[0] and type(wire) is str and self.clock() < self.hold_until:
+            self.failed[wire] = result
+            return
+        self.failed.pop(wire, None)
         job = self._claimed(wire)
         if job is not None:
             self.deliver(job, *result)
@@ -5020,6 +5027,9 @@ class Reunion:
         Then cancel the jobs that workers came back with and no one claimed in time, and
         forget such results."""
         await trio.sleep(max(0.0, self.hold_until - self.clock()))
+        failed, self.failed = self.failed, {}
+        for wire, result in failed.items():  # no worker had a success for these
+            self.worker_finished(wire, result)
         held, self.held = list(self.held.values()), {}
         if held:
             log.warning("%d job(s) that were running when the last head went run again: "

@@ -2094,7 +2094,9 @@ def _daemon_pids(tmp_path):
 
 def test_a_prioritized_mission_goes_first(daemon):
     daemon.worker(cores=1)
-    normal = daemon.mission(12, 0.2)
+    # 8 s of backlog: the second mission must arrive while the first still has some, and
+    # starting a mission takes seconds on a busy machine (2.4 s of it was too little)
+    normal = daemon.mission(40, 0.2)
     daemon.wait_ls("missions: 1 attached")
     first = daemon.mission(4, 0.2, "", "--first")
     first_r, normal_r = daemon.result(first), daemon.result(normal)
@@ -3754,7 +3756,11 @@ def test_a_job_key_follows_what_it_computes():
         "34ecdc3174d876ef5c37717afa399a792efd244d"
 
 
-def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
+async def _store_resumed_main():
+    return await (add1 @ Cores(1))(6)
+
+
+def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path, caplog):
     path = tmp_path / "r.db"
     store = grain.ResultStore(path).open()
     try:
@@ -3797,6 +3803,13 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path):
     assert results.known(grain.Job(1, Cores(1), len, (), {})) == "running"
     taken.crashed = False
     assert results.known(grain.Job(2, Cores(1), len, ("x",), {})) is None
+    # ... but not by a mission no worker can come back to (it listens nowhere)
+    (tmp_path / "r.db.holder").write_text(_json.dumps({"host": grain.hostname(),
+                                                        "pid": 2 ** 22 + 1, "since": 0}))
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        assert run(_store_resumed_main, local=Cores(1), address=False, config_file=False,
+                   results=str(path)) == 7
+    assert "run again: their worker did not come back" not in caplog.text
     # truncated by hand: one line naming it, from run() and from the command line
     data = path.read_bytes()
     path.write_bytes(data[:100])
@@ -4005,6 +4018,8 @@ def own_head_mission_killed_then_run_again(tmp_path, workers, unflushed, seconds
     again = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)
     assert again.returncode == 0, again.stderr
+    # its totals count the jobs it took back (it said "0 jobs")
+    assert re.search(r"Time elapsed for all jobs: [\d.]+s; 4 jobs, ", again.stderr), again.stderr
     return again.stdout, sorted(tuple(line.split()) for line in runs.read_text().splitlines())
 
 
@@ -4195,6 +4210,33 @@ async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autoj
         assert delivered == [("done late", (True, b"v", 1.0, None))]
         assert not queue.jobs and sched.n_queued == 0
         assert "started" in w.orphans and "started" not in w.jobs
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_failure_a_returning_worker_reports_yields_to_a_success_from_another(
+        autojump_clock):
+    # The last head retried a job that failed with a temporary error on worker A; the retry
+    # succeeded on worker B; then the head died. Both come back to the next head, A with
+    # the old failure: the success must win, whichever comes first (seed 21, again), and a
+    # failure no success contradicts is delivered when the hold ends.
+    delivered = []
+    reunion = grain.Reunion(lambda job, *result: delivered.append((job.wire, result[0])),
+                            clock=trio.current_time)
+    jobs = {}
+    for wire in ("retried", "failed"):
+        jobs[wire] = j = grain.Job(wire, Cores(1), None, (), {})
+        j.wire = wire
+        assert reunion.offer(j, hold=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reunion.run, lambda job: None)
+        reunion.worker_finished("retried", (False, b"flaky", 0.1, None))   # A, first
+        reunion.worker_finished("failed", (False, b"error", 0.1, None))
+        assert delivered == []
+        reunion.worker_finished("retried", (True, b"0", 0.2, None))        # B
+        assert delivered == [("retried", True)]
+        await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
+        assert delivered == [("retried", True), ("failed", False)]
         nursery.cancel_scope.cancel()
 
 

@@ -25,7 +25,9 @@ After each scenario it checks:
   * a job ran more than once only when a run of it was on a worker that was killed,
     stopped or cut off, or was cancelled after its mission was stopped, or it failed (a
     temporary error is retried; a stored failure is run again by the mission's next run),
-    or (no store) the mission was run again ("ran twice");
+    or its mission died while it ran through the head daemon (which cancels a dead
+    mission's jobs and cannot hand it a result), or (no store) the mission was run again
+    ("ran twice");
   * no process of the scenario is left once its workers were told to stop ("left");
   * a store, if any, opens and holds every finished result ("store").
 A failing scenario prints its seed and the command that replays it. The last line:
@@ -64,10 +66,11 @@ MISSION = textwrap.dedent("""
 
     @delayed
     async def work(i, seconds, kind, records, attempt):
-        import os, trio
+        import os, time, trio
         def note(what):
             fd = os.open(records, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            os.write(fd, f"{{what}} {{i}} {{run}} {{os.getpid()}} {{attempt}}\\n".encode())
+            os.write(fd, f"{{what}} {{i}} {{run}} {{os.getpid()}} {{attempt}} {{time.time()}}\\n"
+                     .encode())
             os.close(fd)
         run = os.urandom(4).hex()
         note("start")
@@ -228,7 +231,9 @@ class Scenario:
         self.workers, self.relays = [], []   # [(process, cores)], one relay per worker
         self.faulted = set()                 # pids of workers killed, stopped or cut off
         self.mission_faults = 0              # the mission (or its head daemon) stopped
+        self.head_stopped = False            # the head daemon was told to stop (SIGTERM)
         self.attempt, self.mission, self.events = 0, None, []
+        self.attempts = []   # [started (time.time()), ended by a kill or term]
         self.worker_starts, self.rerun_starts = [], []
         self.mission_log = open(os.path.join(self.d, "mission.log"), "w")
 
@@ -262,6 +267,7 @@ class Scenario:
 
     def start_mission(self):
         self.attempt += 1
+        self.attempts.append([time.time(), False])
         self.rerun_starts.append(time.monotonic())
         env = dict(self.env, FAULT_ATTEMPT=str(self.attempt))
         self.mission = subprocess.Popen([sys.executable, self.script], cwd=self.d, env=env,
@@ -313,6 +319,7 @@ class Scenario:
             if self.mission is None or self.mission.poll() is not None:
                 return False
             self.mission_faults += 1
+            self.attempts[-1][1] = action != "stop"
             os.kill(self.mission.pid, sig)
             self.log(f"mission pid {self.mission.pid}: {action}")
             if action == "stop":
@@ -329,6 +336,7 @@ class Scenario:
             except ProcessLookupError:
                 return False
             self.mission_faults += 1
+            self.head_stopped |= action == "term"
             self.log(f"head daemon pid {pid}: {action}")
             if action == "stop":
                 self.resume_at.append((time.monotonic() + fault["stop_s"], pid))
@@ -393,6 +401,8 @@ class Scenario:
                 # wait for ever for want of workers.
                 if p.poll() is not None and all(r[1] != slot for r in self.replace_at):
                     self.log(f"worker pid {p.pid} left (exit {p.returncode})")
+                    if self.head_stopped:   # a stopped daemon takes its workers along
+                        self.faulted.add(p.pid)
                     self.replace_at.append((now + 0.5, slot))
             if self.mission.poll() is not None:
                 if self.rerun_at is not None:
@@ -440,23 +450,28 @@ class Scenario:
         problems = []
         runs = {}   # job identity -> [(run id, worker pid)]
         ended_how = {}
-        for what, i, run, pid, attempt in (r[:5] for r in records if len(r) >= 5):
+        for what, i, run, pid, attempt, t in (r[:6] for r in records if len(r) >= 6):
             ident = i if self.spec["store"] else (attempt, i)
             if what == "start":
-                runs.setdefault(ident, []).append((run, int(pid)))
+                runs.setdefault(ident, []).append((run, int(pid), float(t)))
             else:
                 ended_how.setdefault(run, what)
+        # Through the head daemon, a mission that dies has its running jobs cancelled and
+        # loses the results on their way to it (README): its next run runs those again.
+        ends = [a[0] for a in self.attempts[1:]] + [float("inf")]
+        died = [(a[0], end) for a, end in zip(self.attempts, ends) if a[1]]
         for ident, started in runs.items():
             if len(started) <= 1:
                 continue
             # every run but the last must have a reason to be run again
-            for run, pid in started[:-1]:
+            for run, pid, t in started[:-1]:
                 how = ended_how.get(run)
                 # (a failure is stored, and run again by the mission's next run: its
                 # rerun_failed is on by default)
                 if pid in self.faulted or how == "flaky" or (
                         how == "cancel" and self.mission_faults) or (
-                        how == "fail" and self.attempt > 1):
+                        how == "fail" and self.attempt > 1) or (
+                        not self.spec["own"] and any(a <= t < b for a, b in died)):
                     continue
                 problems.append(("ran twice", f"job {ident}: run {run} on pid {pid} "
                                               f"({how or 'no end recorded'}) ran again"))
