@@ -19,8 +19,9 @@ again (its workers coming back, their jobs being matched). A killed or stopped m
 run again at once or after a while; a killed worker is replaced.
 
 After each scenario it checks:
-  * the mission ends within a bound (completes; "hung" otherwise, "failed" when its last
-    run exits non-zero);
+  * the mission ends within a bound (completes; "hung" otherwise); a run that fails with
+    one clear error (say its head daemon was killed before it answered) is run again, as
+    its user would, up to three times ("failed" when the last run exits non-zero);
   * each job's result reaches its caller, right ("lost" otherwise);
   * a job ran more than once only when a run of it was on a worker that was killed,
     stopped or cut off, or was cancelled after its mission was stopped, or it failed (a
@@ -234,6 +235,7 @@ class Scenario:
         self.head_stopped = False            # the head daemon was told to stop (SIGTERM)
         self.attempt, self.mission, self.events = 0, None, []
         self.attempts = []   # [started (time.time()), ended by a kill or term]
+        self.clean_failures = 0
         self.worker_starts, self.rerun_starts = [], []
         self.mission_log = open(os.path.join(self.d, "mission.log"), "w")
 
@@ -275,6 +277,19 @@ class Scenario:
                                         text=True)
         self.mission_started = time.monotonic()
         self.log(f"mission run {self.attempt} pid {self.mission.pid}")
+
+    def failed_cleanly(self):
+        """Did the mission's run end with one clear error (a grain error's one line, a
+        short traceback that ends in the user's call), as the promise allows?"""
+        self.mission_log.flush()
+        with open(self.mission_log.name) as f:
+            text = f.read().rsplit("Traceback (most recent call last)", 1)
+        last = text[-1].strip().splitlines()
+        ok = len(text) > 1 and last and last[-1].startswith("grain.") and \
+            text[-1].count('File "') <= 3
+        self.log(f"mission run {self.attempt} failed: {last[-1] if last else '?'}"
+                 f"{'' if ok else ' (not cleanly)'}")
+        return ok
 
     def wait_listening(self):
         deadline = time.monotonic() + 30
@@ -409,6 +424,11 @@ class Scenario:
                     if now >= self.rerun_at:
                         self.rerun_at = None
                         self.start_mission()
+                    continue
+                if self.mission.returncode != 0 and self.clean_failures < 3 and \
+                        self.failed_cleanly():
+                    self.clean_failures += 1   # one clear error: the user runs it again
+                    self.start_mission()
                     continue
                 outcome = "done"
             elif now - self.mission_started > MISSION_BOUND_S:
