@@ -151,7 +151,8 @@ def _package_version(name, version_file):
 # older in one line, before a mission meets an AttributeError half-way through.
 TRIO_OLDEST = (0, 22)
 _trio_version = _package_version("trio", "_version.py")
-if tuple(int(x) for x in re.findall(r"\d+", _trio_version)[:2]) < TRIO_OLDEST:
+_trio_numbers = tuple(int(x) for x in re.findall(r"\d+", _trio_version)[:2])
+if _trio_numbers and _trio_numbers < TRIO_OLDEST:  # (a trio that does not say: let it try)
     raise ImportError(f"grain.py needs trio >= {'.'.join(map(str, TRIO_OLDEST))}, but trio "
                       f"{_trio_version} is installed; upgrade it with `python -m pip install "
                       "-U trio`, or use the self-contained grain.pyz")
@@ -8337,13 +8338,16 @@ class _CliTarget(namedtuple("_CliTarget", "settings address key why")):
 
 
 def _cli_target(args):
-    s = load_config(args.config).role("worker")
+    """The _CliTarget of ls, explain, quit, stop and scale."""
+    config = load_config(args.config)
+    s = config.role("worker")
     if args.address:
         origin = "given with -a"
     else:   # the first of these that is set decides, as in RoleSettings
-        origin = next((f"worker.{k} in {load_config(args.config).path}" for k, default in (
-            ("cli_dial", s.dial), ("dial", s.address), ("address", default_address()))
-            if getattr(s, k) != default), "the default Edge file")
+        origin = next((f"{name} in {config.path}" for attr, name, default in (
+            ("cli_dial", "worker.cli_dial", s.dial), ("dial", "worker.dial", s.address),
+            ("address", "address", default_address())) if getattr(s, attr) != default),
+            "the default Edge file")
     key_path = args.key or s.auth_key
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
         return _CliTarget(s, args.address or s.cli_dial, None, f"{origin}; no key file at "
