@@ -27,11 +27,13 @@ Sections, in dependency order (each uses only what is above it):
     Resources           the resource algebra: Resource, ResourceSet, ZERO, the registry
     Resource kinds      Cores, Memory, Capacity, Token, Gpus, WTime, Node, Reject
     Context             GVAR and the run state, in ContextVars
+    Jobs                Job, failure classes, Tally, Retries; pickling jobs' values
     Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
     Transports          serve() and connect() for tcp, unix and Edge; Channel sessions
     Subprocesses        the programs a job runs (run_program, job_env); @subprocify's pool
     Config              grain.toml as frozen dataclasses
     Cluster             the batch systems as data (SYSTEMS), job scripts, job records
+    Host                what this machine offers: cores, memory, GPUs, allocation end
     Results store       a mission's results in SQLite, keyed by what each job computes
     Workers             a worker as a head sees it; local, remote, specialized
     Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
@@ -120,8 +122,8 @@ import threading
 import time
 import traceback
 import types
-from collections import deque, namedtuple
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque, namedtuple
+from dataclasses import dataclass, field, fields, replace
 
 _missing = [name for name in ("trio", "dill") if importlib.util.find_spec(name) is None]
 if _missing:  # pragma: no cover - depends on the machine
@@ -321,13 +323,8 @@ def parse_walltime(value, what="walltime"):
     """Seconds from an int/float or a ``[d-]hh:mm:ss`` string; ``None`` stays ``None``."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"malformed {what} {value!r}: expected seconds or [d-]hh:mm:ss")
-    if isinstance(value, (int, float)):
-        if not 0 <= value < math.inf:
-            raise ValueError(f"{what} must be a non-negative finite number of seconds, got "
-                             f"{value!r}")
-        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _check_amount(value, what, " of seconds")
     if isinstance(value, str):
         s = value.strip()
         if s.isdigit():
@@ -339,11 +336,26 @@ def parse_walltime(value, what="walltime"):
     raise ValueError(f"malformed {what} {value!r}: expected seconds or [d-]hh:mm:ss")
 
 
-def format_walltime(seconds):
-    """``[d-]hh:mm:ss`` for a number of seconds (rounded down)."""
+def _check_count(value, what):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative whole number, got {value!r}")
+    return value
+
+
+def _check_amount(value, what, unit=""):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{what} must be a non-negative finite number{unit}, got {value!r}")
+    return value
+
+
+def format_walltime(seconds, hhmmss=False):
+    """``[d-]h:mm:ss`` for a number of seconds (rounded down); ``hhmmss``: hours past a
+    day, two digits at least (a WTime's repr, PBS's walltime)."""
     if seconds is None or seconds == math.inf:
         return "inf"
     s = max(0, int(seconds))
+    if hhmmss:
+        return f"{s // 3600:02}:{s % 3600 // 60:02}:{s % 60:02}"
     d, s = divmod(s, 86400)
     h, s = divmod(s, 3600)
     m, s = divmod(s, 60)
@@ -368,14 +380,8 @@ def add_note(exc, note):
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # pragma: no cover - Python < 3.11
-        notes = getattr(exc, "__notes__", None)
-        if notes is None:
-            notes = []
-            try:
-                exc.__notes__ = notes
-            except AttributeError:
-                return
-        notes.append(note)
+        with contextlib.suppress(AttributeError):
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
 def lone_exception(exc):
@@ -528,15 +534,20 @@ def atomic_write(path, data, mode=0o600):
 
 
 @contextlib.contextmanager
-def flocked(path):
-    """Hold an exclusive flock on ``<path>.lock`` for the block: `up`, `down`, heads and
-    workers change the same small files (Edge records, job records) at once."""
+def edit_locked(path, read, encode):
+    """Yield ``read()`` while holding an exclusive flock on ``<path>.lock``, and write back
+    ``encode(data)`` if the block changed it: `up`, `down`, heads and workers change the
+    same small files (Edge records, job records) at once."""
     import fcntl
 
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        data = read()
+        before = encode(data)
+        yield data
+        if encode(data) != before:
+            atomic_write(path, encode(data))
     finally:
         os.close(fd)  # closing releases the flock
 
@@ -571,6 +582,13 @@ def _default_logging():
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+
+
+def _allowed_cores():
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 ###############################################################################
@@ -736,13 +754,7 @@ class Resource:
     def __and__(self, other):
         if not isinstance(other, Resource):
             return NotImplemented
-        parts = dict(self._parts())
-        for kind, part in other._parts().items():
-            if kind in parts:
-                raise ValueError(f"cannot combine two resources of the same kind: "
-                                 f"{parts[kind]!r} & {part!r}")
-            parts[kind] = part
-        return ResourceSet._of(parts)
+        return ResourceSet._of(ResourceSet(self, other).parts)
 
     __rand__ = __and__
 
@@ -868,27 +880,9 @@ def register_resource(cls):
 
 def _fmt_ids(ids):
     """``[0,1,2,5]`` -> ``"0-2,5"``."""
-    out, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _check_count(value, what):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative whole number, got {value!r}")
-    return value
-
-
-def _check_amount(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 <= value < math.inf:
-        raise ValueError(f"{what} must be a non-negative finite number, got {value!r}")
-    return value
+    runs = [[i for _, i in run] for _, run in
+            itertools.groupby(enumerate(ids), lambda pair: pair[1] - pair[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _part(res, kind):
@@ -940,23 +934,6 @@ class CoreIds(list):
 
     __slots__ = ()
 
-    def __and__(self, other):
-        return set(self) & set(other)
-
-    def __or__(self, other):
-        return set(self) | set(other)
-
-    def __sub__(self, other):
-        return set(self) - set(other)
-
-    def __xor__(self, other):
-        return set(self) ^ set(other)
-
-    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
-
-    def __rsub__(self, other):
-        return set(other) - set(self)
-
     def __eq__(self, other):
         if isinstance(other, (set, frozenset)):
             return set(self) == other
@@ -970,6 +947,12 @@ class CoreIds(list):
 
     def __reduce__(self):
         return CoreIds, (list(self),)
+
+
+for _name, _op in {"and": operator.and_, "or": operator.or_, "sub": operator.sub,
+                   "xor": operator.xor}.items():  # as sets, either way round
+    setattr(CoreIds, f"__{_name}__", lambda self, other, op=_op: op(set(self), set(other)))
+    setattr(CoreIds, f"__r{_name}__", lambda self, other, op=_op: op(set(other), set(self)))
 
 
 class Cores(Resource):
@@ -1345,11 +1328,6 @@ class _GroupTimes:
                      group, mean + 5 * sd, mean + 2 * sd, len(runs))
 
 
-def _hhmmss(seconds):
-    s = max(0, int(seconds))
-    return f"{s // 3600:02}:{s % 3600 // 60:02}:{s % 60:02}"
-
-
 class WTime(Resource):
     """Walltime. On a job: ``T`` is the hard limit (the job fails with ``trio.TooSlowError``
     past it), ``softT`` (default T) what a worker must still have left to take the job, and
@@ -1423,9 +1401,9 @@ class WTime(Resource):
     def _repr(self):
         if self.group is not None and self.T is None:
             return f"Walltime(group={self.group})"
-        text = "inf" if self.T is None else _hhmmss(self.remaining())
+        text = format_walltime(self.T and self.remaining(), hhmmss=True)
         if self.softT is not None and self.softT != self.T and not self.countdown:
-            text += f", softT={_hhmmss(self.softT)}"
+            text += f", softT={format_walltime(self.softT, hhmmss=True)}"
         return f"Walltime({text})"
 
     def _stat(self):
@@ -1568,6 +1546,275 @@ def _current_executor(what):
 
 
 ###############################################################################
+# Jobs ########################################################################
+###############################################################################
+# A job as every head, worker and mission sees it: Job (a request, an async function and
+# its arguments; awaiting it gives the result), the classes of failure a job is retried
+# for, the counts of how jobs ended (Tally) and the retry budgets (Retries), and how a
+# job's function, arguments and result are pickled to travel (standard pickle first, dill
+# for what it cannot take).
+
+
+# Failure classes a job can be retried for, kept apart in counters and messages.
+RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
+RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
+RETRY_LOST = "worker lost"               # its connection closed or went silent
+RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
+
+
+def interrupted(job, w, kind, why):
+    """The error of a job whose worker ``w`` went away (``kind``: RETRY_LOST or
+    RETRY_RETIRED) while running it."""
+    cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
+    return cls(f"job {job.name} was running on worker {w.name}, which {why}")
+
+
+def failure_class(error):
+    """How a job that raised ``error`` failed, for counts and messages (not retried)."""
+    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+
+
+class Job:
+    """One submitted job: a resource request, an async function and its arguments.
+
+    Awaiting a Job gives the function's return value or raises its exception (with the
+    original type). ``attempts`` counts runs started; ``failures`` counts each failure class
+    that was retried."""
+
+    __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
+                 "alloc", "worker", "value", "error", "state", "observed", "_event",
+                 "duration", "payload", "queue", "ref", "wire", "submitted", "started",
+                 "ended", "kind")
+
+    def __init__(self, jid, req, fn, args, kwargs, queue=None):
+        self.id = jid
+        self.wire = jid        # how workers know it: its store key#n when it has one
+        self.queue = queue     # the JobQueue it waits in (one per mission)
+        self.ref = None        # on a head daemon: the mission's own id for it
+        self.req = req
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        wt = _part(req, "WTime") if req.kind != "Cores" else None
+        self.T = wt.T if wt is not None else None
+        self.group = wt.group if wt is not None else None
+        self.attempts = 0
+        self.failures = None
+        self.alloc = None
+        self.worker = None
+        self.value = None
+        self.error = None
+        self.state = "queued"  # -> running -> done | failed (back to queued on a retry)
+        self.observed = False
+        self._event = None
+        self.duration = None
+        self.payload = None
+        self.submitted = self.started = self.ended = None  # times, on the head's clock
+        self.kind = None       # its failure class, when it failed
+
+    @property
+    def name(self):
+        return f"#{self.id} {_callable_name(self.fn)}"
+
+    def done(self):
+        return self.state == "done" or self.state == "failed"
+
+    async def wait_done(self):
+        """Wait until the job has ended, without raising its error."""
+        if self.state != "done" and self.state != "failed":
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+
+    async def wait(self):
+        """The job's result; raises its exception if it failed."""
+        await self.wait_done()
+        self.observed = True
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def __await__(self):
+        return self.wait().__await__()
+
+    def __repr__(self):
+        return f"<Job {self.name} {self.req!r} {self.state}>"
+
+
+class Tally:
+    """Jobs that ended, and retries, by failure class: what `ls` shows."""
+
+    def __init__(self):
+        self.counts = {"done": 0, "failed": 0, "retried": 0}
+        self.failed_by_class = {}
+        self.retried_by_class = {}
+
+    def ended(self, state, kind=None):
+        """Count a job that ended ``state`` ("done" or "failed", of class ``kind``)."""
+        self.counts[state] += 1
+        if state == "failed":
+            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
+
+    def retried(self, kind):
+        self.counts["retried"] += 1
+        self.retried_by_class[kind] = self.retried_by_class.get(kind, 0) + 1
+
+
+class Retries:
+    """How many times a job is retried after each failure class: temporary errors (the
+    ``temporary_err`` types) and infrastructure failures up to ``max_retries``, a lost
+    worker too (not at all when not ``persistent``), a retired one up to RETIRED_RETRIES."""
+
+    def __init__(self, max_retries=MAX_RETRIES, temporary_err=(), persistent=True):
+        if isinstance(temporary_err, type):
+            temporary_err = (temporary_err,)
+        self.temporary_err = tuple(temporary_err)
+        n = _check_count(max_retries, "max_retries")
+        self.budgets = {RETRY_TEMPORARY: n, RETRY_INFRA: n, RETRY_LOST: n if persistent else 0,
+                        RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
+
+    def class_of(self, error):
+        """The retry class of a job's exception, or None (not retried)."""
+        if isinstance(error, BrokenSubprocessError):
+            return RETRY_INFRA
+        if self.temporary_err and isinstance(error, self.temporary_err):
+            return RETRY_TEMPORARY
+        return None
+
+    def again(self, job, kind, error, tally):
+        """Count one more failure of ``kind``; True while the budget allows a retry."""
+        failures = job.failures if job.failures is not None else {}
+        job.failures = failures
+        if failures.get(kind, 0) >= self.budgets[kind]:
+            return False
+        failures[kind] = failures.get(kind, 0) + 1
+        tally.retried(kind)
+        log.warning("job %s failed with %s (%s, attempt %d); retrying",
+                    job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
+        return True
+
+    def note(self, job, error, kind):
+        """Say on the final error how many attempts were made."""
+        if kind is not None and job.attempts > 1:
+            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
+                            f"({kind}, {self.budgets[kind]} retries allowed)")
+
+
+NO_KWARGS = types.MappingProxyType({})
+NO_LIMIT = contextlib.nullcontext()  # the walltime of a job without T
+NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@functools.lru_cache(maxsize=None)
+def _by_value_pickler():
+    """dill's Pickler, pickling functions by value, that takes by name a module of a
+    ModuleType subclass (as trio before 0.23 is), as dill does for plain modules, instead
+    of failing, and grain itself: dill would take this file, which is not installed, by
+    value (a user's ``grain.GVAR`` in a job). Made at first use, as dill is imported only
+    then."""
+    me = sys.modules[__name__]
+
+    class ByValuePickler(dill.Pickler):
+        def reducer_override(self, obj):
+            if obj is me or (isinstance(obj, types.ModuleType)
+                             and type(obj) is not types.ModuleType
+                             and sys.modules.get(obj.__name__) is obj):
+                return importlib.import_module, (obj.__name__,)
+            return NotImplemented
+
+    return ByValuePickler
+
+
+def dill_dumps(obj):
+    """Bytes of ``obj`` by dill, with functions of importable modules by value where
+    pickle could not take them by name (a decorated function, a closure)."""
+    buf = io.BytesIO()
+    _by_value_pickler()(buf, recurse=True).dump(obj)
+    return buf.getvalue()
+
+
+def dumps_job_value(obj, what):
+    """Bytes of a job's function, arguments or result: standard pickle first (fast), dill
+    for what it cannot do (lambdas, closures) and for what refers to ``__main__``: pickle
+    takes a function or class of the user's script by name, which the worker's own
+    ``__main__`` does not have, where dill takes it by value."""
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if b"__main__" not in data:
+            return b"p" + data
+    except Exception:
+        pass
+    try:
+        return b"d" + dill_dumps(obj)
+    except Exception as e:
+        raise TypeError(f"{what} cannot be pickled: {e}") from None
+
+
+def loads_job_value(data):
+    return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
+
+
+def _culprit(args, kwargs):
+    """The first argument that cannot be pickled, for the error message."""
+    for key, a in [*enumerate(args), *kwargs.items()]:
+        try:
+            dill_dumps(a)
+        except Exception:
+            return f"argument {key} ({a!r})" if type(key) is int else f"argument {key}={a!r}"
+    return "an argument"
+
+
+class FunctionBytes:
+    """``(digest, bytes)`` of job functions, each serialized once (an executor's cache)."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def __call__(self, fn):
+        try:
+            hit = self._cache.get(fn)
+        except TypeError:  # unhashable callable
+            hit = None
+        if hit is None:
+            data = dumps_job_value(fn, f"the job function {_callable_name(fn)}")
+            hit = (hashlib.sha1(data).digest(), data)
+            with contextlib.suppress(TypeError):
+                self._cache[fn] = hit
+        return hit
+
+
+def pickle_arguments(job):
+    """A job's arguments as a worker process gets them; a TypeError naming the culprit."""
+    if not job.args and not job.kwargs:
+        return NO_ARGS_PAYLOAD
+    try:
+        return dumps_job_value((job.args, dict(job.kwargs)), "")
+    except TypeError as e:
+        raise TypeError(f"job {_callable_name(job.fn)}: {_culprit(job.args, job.kwargs)} "
+                        f"cannot be pickled{str(e)[19:]}") from None
+
+
+def unpickle_result(job, ok, data, where):
+    """``(value, error)`` from a result a worker process sent (the traceback it sent
+    becomes a note of the error)."""
+    try:
+        value = loads_job_value(data)
+        if not ok:
+            error, tb = value
+            if not isinstance(error, BaseException) or not isinstance(tb, str):
+                raise TypeError(f"an exception and its traceback were expected, got "
+                                f"{value!r:.80}")
+    except Exception as e:
+        return None, GrainError(f"the result of job {job.name} could not be unpickled "
+                                f"here: {e}")
+    if ok:
+        return value, None
+    if tb:
+        add_note(error, f"Traceback on worker {where}:\n{tb.rstrip()}")
+    return None, error
+
+
+###############################################################################
 # Wire protocol ###############################################################
 ###############################################################################
 # Sans-I/O: nothing here reads or writes; the Transports below do. One frame format for
@@ -1706,76 +1953,6 @@ def load_auth_key(path=None):
 
 def dumps_control(msg):
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-@functools.lru_cache(maxsize=None)
-def _by_value_pickler():
-    """dill's Pickler, pickling functions by value, that takes by name a module of a
-    ModuleType subclass (as trio before 0.23 is), as dill does for plain modules, instead
-    of failing, and grain itself: dill would take this file, which is not installed, by
-    value (a user's ``grain.GVAR`` in a job). Made at first use, as dill is imported only
-    then."""
-    me = sys.modules[__name__]
-
-    class ByValuePickler(dill.Pickler):
-        def reducer_override(self, obj):
-            if obj is me or (isinstance(obj, types.ModuleType)
-                             and type(obj) is not types.ModuleType
-                             and sys.modules.get(obj.__name__) is obj):
-                return importlib.import_module, (obj.__name__,)
-            return NotImplemented
-
-    return ByValuePickler
-
-
-def dill_dumps(obj):
-    """Bytes of ``obj`` by dill, with functions of importable modules by value where
-    pickle could not take them by name (a decorated function, a closure)."""
-    buf = io.BytesIO()
-    _by_value_pickler()(buf, recurse=True).dump(obj)
-    return buf.getvalue()
-
-
-def dumps_job_value(obj, what):
-    """Bytes of a job's function, arguments or result: standard pickle first (fast), dill
-    for what it cannot do (lambdas, closures) and for what refers to ``__main__``: pickle
-    takes a function or class of the user's script by name, which the worker's own
-    ``__main__`` does not have, where dill takes it by value."""
-    try:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        if b"__main__" not in data:
-            return b"p" + data
-    except Exception:
-        pass
-    try:
-        return b"d" + dill_dumps(obj)
-    except Exception as e:
-        raise TypeError(f"{what} cannot be pickled: {e}") from None
-
-
-def loads_job_value(data):
-    return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
-
-
-NO_KWARGS = types.MappingProxyType({})
-
-
-NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _culprit(args, kwargs):
-    """The first argument that cannot be pickled, for the error message."""
-    for i, a in enumerate(args):
-        try:
-            dill_dumps(a)
-        except Exception:
-            return f"argument {i} ({a!r})"
-    for k, v in kwargs.items():
-        try:
-            dill_dumps(v)
-        except Exception:
-            return f"argument {k}={v!r}"
-    return "an argument"
 
 
 # Every message: its fields (``[x]`` may be left out, ``*x`` takes any number) and who
@@ -1989,7 +2166,7 @@ def _peer_name(stream):
 
 class EdgeFile:
     """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``,
-    mode 0600, changed only under flocked().
+    mode 0600, changed only under edit_locked().
 
     The listener (a head) records ``host``, ``lid``, ``pid``, ``heartbeat`` (Unix time,
     refreshed every EDGE_HEARTBEAT_S) and ``urls`` ({interface: url}); a dialer (a worker)
@@ -2006,20 +2183,14 @@ class EdgeFile:
     @contextlib.contextmanager
     def locked(self):
         """Hold the lock; yields the current content (a dict) and writes back changes."""
-        with flocked(self.path):
-            data = self._read()
-            before = json.dumps(data, sort_keys=True)
+        with edit_locked(self.path, self._read,
+                         lambda data: json.dumps(data, indent=1).encode()) as data:
             yield data
-            if json.dumps(data, sort_keys=True) != before:
-                atomic_write(self.path, json.dumps(data, indent=1).encode())
 
     def _read(self):
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
-        except FileNotFoundError:
-            return {"listener": None, "dialer": []}
-        try:
             data = json.loads(raw) if raw.strip() else None
             if not isinstance(data, dict):
                 raise ValueError("not an object")
@@ -2027,9 +2198,11 @@ class EdgeFile:
             if not isinstance(data.get("dialer"), list):
                 data["dialer"] = []
             return data
+        except FileNotFoundError:
+            pass
         except ValueError as e:
             log.warning("Edge file %s is corrupt (%s); starting it afresh", self.path, e)
-            return {"listener": None, "dialer": []}
+        return {"listener": None, "dialer": []}
 
     @staticmethod
     def live(record):
@@ -2355,8 +2528,7 @@ class Channel:
         self._wakeup.set()
 
     async def aclose(self):
-        self._closed = True
-        self._wakeup.set()
+        self.close_after_flush()
         with contextlib.suppress(Exception):
             await self.stream.aclose()
 
@@ -2423,13 +2595,6 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 # private pipe (fd passed to the child), so that whatever the job prints goes to
 # the inherited stdout/stderr as the user expects. Each child leads a process group of
 # its own, and is stopped with the whole group: a program a job started goes with it.
-
-
-def _allowed_cores():
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 GPU_VARIABLES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
@@ -2631,9 +2796,6 @@ class _PoolProcess:
         self.frames = frames
         self.idle_since = 0.0
 
-    async def kill(self):
-        await _stop_process(self.process)
-
 
 async def _stop_process(process, grace=KILL_GRACE_S):
     """SIGTERM to its process group, a grace period, SIGKILL to the group; always reaped.
@@ -2658,8 +2820,7 @@ class SubprocessPool:
     process may use)."""
 
     def __init__(self, nursery, limit=None, idle_s=SUBPROC_IDLE_S):
-        self.limit = limit or len(_allowed_cores())
-        self._nursery = nursery
+        self.limit = limit or len(_allowed_cores())  # (``nursery``: upstream's signature)
         self._idle = []  # _PoolProcess, most recently used last
         self._all = set()
         self._slots = trio.Semaphore(self.limit)
@@ -2680,7 +2841,7 @@ class SubprocessPool:
             await frames.send(pickle.dumps(sys.path))
         except BaseException:  # (cancelled: not to be left running, nobody's)
             self._all.discard(child)
-            await child.kill()
+            await _stop_process(child.process)
             raise
         return child
 
@@ -2702,7 +2863,7 @@ class SubprocessPool:
             finally:
                 if not ok and child is not None:  # died, or we were cancelled: it is spent
                     self._all.discard(child)
-                    await child.kill()
+                    await _stop_process(child.process)
             if child is None:
                 raise BrokenSubprocessError(f"a pool process for {_callable_name(fn)} ended "
                                             "as it started")
@@ -2734,7 +2895,7 @@ class SubprocessPool:
             old = [c for c in self._idle if c.idle_since <= cutoff]
             self._idle[:] = keep
             for child in old:
-                await child.kill()
+                await _stop_process(child.process)
                 self._all.discard(child)  # (after: statistics() shows it until it is gone)
 
     async def aclose(self):
@@ -2745,7 +2906,7 @@ class SubprocessPool:
                 with contextlib.suppress(Exception):
                     await child.process.stdin.aclose()
             for child in children:
-                await child.kill()
+                await _stop_process(child.process)
 
 
 PoolStatistics = namedtuple("PoolStatistics", "pids idle limit")
@@ -2829,34 +2990,25 @@ class ConfigError(UsageError):
     """grain.toml is malformed, or a key has the wrong type or value."""
 
 
-def _want_str(v):
-    if not isinstance(v, str):
-        raise TypeError("a string")
-    return v
+def _want(test, expected, convert=None):
+    """A key's check: its value, converted, or TypeError(``expected``)."""
+    def check(v):
+        if not test(v):
+            raise TypeError(expected)
+        return convert(v) if convert else v
+    return check
 
 
-def _want_bool(v):
-    if not isinstance(v, bool):
-        raise TypeError("true or false")
-    return v
+def _is_number(v, kinds=(int, float)):
+    return isinstance(v, kinds) and not isinstance(v, bool)
 
 
-def _want_positive_int(v):
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise TypeError("a positive whole number")
-    return v
-
-
-def _want_count(v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TypeError("a whole number >= 0")
-    return v
-
-
-def _want_gb(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-        raise TypeError("a number of GB >= 0 (0: do not ask)")
-    return v
+_want_str = _want(lambda v: isinstance(v, str), "a string")
+_want_count = _want(lambda v: _is_number(v, int) and v >= 0, "a whole number >= 0")
+# upstream's examples write queue = "''" for "the default queue"
+_want_queue = _want(lambda v: isinstance(v, str), "a string",
+                    lambda v: "" if v in ("''", '""') else v)
+BATCH_SYSTEMS = ("slurm", "pbs", "custom")  # the keys of SYSTEMS (Cluster, below)
 
 
 def _want_walltime(v):
@@ -2869,18 +3021,6 @@ def _want_walltime(v):
     return v if isinstance(v, str) else format_walltime(v)
 
 
-def _want_queue(v):
-    # upstream's examples write queue = "''" for "the default queue"
-    return "" if _want_str(v) in ("''", '""') else v
-
-
-def _want_duration(v):
-    try:
-        return parse_duration(v, "duration")
-    except ValueError:
-        raise TypeError("a duration such as 90s, 30m or 2h") from None
-
-
 def _want_str_list(v):
     if isinstance(v, str):
         return (v,)
@@ -2889,13 +3029,11 @@ def _want_str_list(v):
     return tuple(v)
 
 
-BATCH_SYSTEMS = ("slurm", "pbs", "custom")  # the keys of SYSTEMS (Cluster, below)
-
-
-def _want_system(v):
-    if v not in BATCH_SYSTEMS and v != "":
-        raise TypeError(f"one of {', '.join(map(repr, BATCH_SYSTEMS))} (or \"\" for none)")
-    return v
+def _want_duration(v):
+    try:
+        return parse_duration(v, "duration")
+    except ValueError:
+        raise TypeError("a duration such as 90s, 30m or 2h") from None
 
 
 def _want_resources(v):
@@ -2908,15 +3046,32 @@ def _want_resources(v):
     return dict(v)
 
 
+# A key's check, by its field's type, unless the field names its own.
+_CHECKS = {str: _want_str, int: _want_count, float: _want_duration, tuple: _want_str_list,
+           dict: _want_resources, bool: _want(lambda v: isinstance(v, bool), "true or false")}
+
+
+def setting(default, check=None, tables=(), path=False):
+    """A field of the config: its default, its check (None: by its type), the tables of
+    grain.toml where it is a key (RoleSettings: "" the top level, "head", "worker"), and
+    whether it is a path ("$HOME/..." and "~/..." mean what they say)."""
+    default = {"default_factory": dict} if isinstance(default, dict) else {"default": default}
+    return field(**default, metadata={"check": check, "tables": tables, "path": path})
+
+
+_ALL, _HEAD, _WORKER, _ROLES = ("", "head", "worker"), ("head",), ("worker",), ("head", "worker")
+
+
 @dataclass(frozen=True)
 class ScriptSettings:
     """What a job script asks of the batch system, and how it sets up and cleans up."""
     shebang: str = "#!/bin/bash"
-    queue: str = ""
-    walltime: str = ""   # "", 0: do not ask the batch system for it (its default applies)
+    queue: str = setting("", _want_queue)
+    walltime: str = setting("", _want_walltime)  # "", 0: do not ask (its default applies)
     cores: int = 0
     gpus: int = 0        # whole GPUs of the node to ask for (0: none)
-    memory: float = 0    # GB
+    memory: float = setting(0, _want(lambda v: _is_number(v) and 0 <= v < math.inf,
+                                     "a number of GB >= 0 (0: do not ask)"))  # GB
     extra_args: tuple = ()
     setup_cleanup: str = ""
     python: str = ""  # "" = the interpreter running `up`
@@ -2935,72 +3090,62 @@ class CustomSystem:
 class RoleSettings:
     """The merged settings of one role (head or worker)."""
     role: str
-    system: str = ""
-    address: str = ""
-    auth_key: str = ""
-    contextmod: str = ""
-    name: str = ""
-    log_file: str = ""
+    system: str = setting("", _want(lambda v: v in BATCH_SYSTEMS or v == "", "one of " + ", "
+                                    .join(map(repr, BATCH_SYSTEMS)) + " (or \"\" for none)"), _ALL)
+    address: str = setting("", None, _ALL, path=True)
+    auth_key: str = setting("", None, _ALL, path=True)
+    contextmod: str = setting("", None, _ALL, path=True)
+    name: str = setting("", None, _ROLES)
+    log_file: str = setting("", None, _ROLES, path=True)  # [head]: where local jobs print
     script: ScriptSettings = field(default_factory=ScriptSettings)
     custom_system: CustomSystem = field(default_factory=CustomSystem)
-    # [head]; log_file there is where the mission's local worker prints
-    main_log_file: str = ""       # the head job's log (`start`)
-    listen: str = ""
-    cmd: str = ""
-    idle_quit: float = 1800.0
-    swarm: int = 0
-    swarm_quota: int = 0          # submissions per swarm_window; 0 = 2 x swarm
-    swarm_window: float = 600.0
+    # [head]
+    main_log_file: str = setting("", None, _HEAD, path=True)   # the head job's (`start`)
+    listen: str = setting("", None, _HEAD, path=True)
+    cmd: str = setting("", None, _HEAD)
+    idle_quit: float = setting(1800.0, None, _HEAD)
+    swarm: int = setting(0, None, _HEAD)
+    swarm_quota: int = setting(0, None, _HEAD)  # submissions per swarm_window; 0: 2 x swarm
+    swarm_window: float = setting(600.0, None, _HEAD)
     gnaw_enabled: bool = True     # [head.gnaw] enabled: missions share a head daemon
-    daemon_log: str = "grain-head-{{HHMMSS}}.log"   # [head.gnaw] log_file
-    max_missions: int = 8         # [head.gnaw] max_conn
+    daemon_log: str = setting("grain-head-{{HHMMSS}}.log", path=True)  # [head.gnaw] log_file
+    max_missions: int = setting(8, _want(lambda v: _is_number(v, int) and v > 0,
+                                         "a positive whole number"))  # [head.gnaw] max_conn
     daemon_extra_args: tuple = ()  # [head.gnaw] extra_args: flags of upstream's Go daemon
     # [worker]
-    dial: str = ""
-    cli_dial: str = ""
-    res: dict = field(default_factory=dict)
-    specialized_type: str = ""    # a module: see the specialized workers in the README
-    reattach: float = REATTACH_S  # seconds a worker whose head went keeps its jobs for another
-    results: str = ""             # a mission's results store (relative: to its directory)
-    report: str = ""              # a mission's HTML report, written at its end (ditto)
+    dial: str = setting("", None, _WORKER, path=True)
+    cli_dial: str = setting("", None, _WORKER, path=True)
+    res: dict = setting({}, None, _WORKER)
+    specialized_type: str = setting("", None, _WORKER)  # a module: see specialized workers
+    reattach: float = setting(REATTACH_S, None, _WORKER)  # a headless worker keeps its jobs
+    results: str = setting("", None, _ALL)  # a mission's results store (relative: to its dir)
+    report: str = setting("", None, _ALL)   # a mission's HTML report, at its end (ditto)
 
 
-_COMMON_KEYS = {"system": _want_system, "address": _want_str, "auth_key": _want_str,
-                "contextmod": _want_str, "results": _want_str, "report": _want_str}
-
-
-_SCRIPT_KEYS = {"shebang": _want_str, "queue": _want_queue, "walltime": _want_walltime,
-                "cores": _want_count, "gpus": _want_count, "memory": _want_gb,
-                "extra_args": _want_str_list, "setup_cleanup": _want_str, "python": _want_str}
-
-
-_CUSTOM_KEYS = {"submit_cmd": _want_str, "directive": _want_str, "template": _want_str,
-                "status_cmd": _want_str, "cancel_cmd": _want_str,
-                "directory": _want_str}  # upstream's name for directive
-
-
-# [head.gnaw], upstream's Go daemon, as our head daemon: key -> RoleSettings field
-_GNAW_KEYS = {"enabled": ("gnaw_enabled", _want_bool), "log_file": ("daemon_log", _want_str),
-              "max_conn": ("max_missions", _want_positive_int),
-              "idle_quit": ("idle_quit", _want_duration), "swarm": ("swarm", _want_count),
-              "extra_args": ("daemon_extra_args", _want_str_list)}
-
-
-_ROLE_KEYS = {
-    "head": {"name": _want_str, "main_log_file": _want_str, "log_file": _want_str,
-             "listen": _want_str, "cmd": _want_str, "idle_quit": _want_duration,
-             "swarm": _want_count, "swarm_quota": _want_count,
-             "swarm_window": _want_duration},
-    "worker": {"name": _want_str, "log_file": _want_str, "dial": _want_str,
-               "cli_dial": _want_str, "res": _want_resources,
-               "specialized_type": _want_str, "reattach": _want_duration},
-}
-
-
+# Upstream Grain's names of keys, by table: its [head.gnaw] (its Go daemon: our head
+# daemon) and custom_system.directory.
+_RENAMED = {"custom_system": {"directory": "directive"},
+            "head.gnaw": {"enabled": "gnaw_enabled", "log_file": "daemon_log",
+                          "max_conn": "max_missions", "idle_quit": "idle_quit",
+                          "swarm": "swarm", "extra_args": "daemon_extra_args"}}
+_SUBTABLES = {"": ("script", "custom_system", "head", "worker"), "head": ("script", "gnaw"),
+              "worker": ("script",)}
 _ROLE_DEFAULTS = {
     "head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
     "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
 }
+
+
+def _schema(table):
+    """``{key: (field, check)}`` of a table of grain.toml ("": the top level)."""
+    cls = {"script": ScriptSettings, "custom_system": CustomSystem}.get(
+        table.rpartition(".")[2], RoleSettings)
+    fs = {f.name: f for f in fields(cls)}
+    keys = {name: name for name, f in fs.items()
+            if cls is not RoleSettings or table in f.metadata.get("tables", ())}
+    keys.update(_RENAMED.get(table, {}))
+    return {k: (name, fs[name].metadata.get("check") or _CHECKS[fs[name].type])
+            for k, name in keys.items()}
 
 
 def default_address():
@@ -3017,24 +3162,15 @@ class Config:
         """The settings of ``role`` ("head" or "worker"), every override applied."""
         top, sect = self.raw, self.raw.get(role, {})
         values = dict(_ROLE_DEFAULTS[role])
-        for key in _COMMON_KEYS:
-            if key in sect:
-                values[key] = sect[key]
-            elif key in top:
-                values[key] = top[key]
-        values.update({_GNAW_KEYS[k][0]: v for k, v in sect.get("gnaw", {}).items()
+        values.update({k: v for k, v in top.items() if k not in _SUBTABLES[""]})
+        values.update({k: v for k, v in sect.get("gnaw", {}).items()
                        if v != ""})  # ([head.gnaw] log_file = "": our default file)
-        values.update({k: v for k, v in sect.items() if k in _ROLE_KEYS[role]})
-        script = {**top.get("script", {}), **sect.get("script", {})}
-        values["script"] = ScriptSettings(**script)
-        custom = dict(top.get("custom_system", {}))
-        directory = custom.pop("directory", None)
-        values["custom_system"] = CustomSystem(**custom) if directory is None or \
-            "directive" in custom else CustomSystem(directive=directory, **custom)
-        for key in ("address", "auth_key", "contextmod", "listen", "dial", "cli_dial",
-                    "log_file", "main_log_file", "daemon_log"):
-            if isinstance(values.get(key), str):  # "$HOME/..." and "~/..." mean what they say
-                values[key] = os.path.expanduser(os.path.expandvars(values[key]))
+        values.update({k: v for k, v in sect.items() if k not in _SUBTABLES[role]})
+        values["script"] = ScriptSettings(**{**top.get("script", {}), **sect.get("script", {})})
+        values["custom_system"] = CustomSystem(**top.get("custom_system", {}))
+        for f in fields(RoleSettings):
+            if f.metadata.get("path") and isinstance(values.get(f.name), str):
+                values[f.name] = os.path.expanduser(os.path.expandvars(values[f.name]))
         s = RoleSettings(role=role, **values)
         address = s.address or default_address()
         dial = s.dial or address
@@ -3045,22 +3181,28 @@ class Config:
         return s
 
 
-def _check_table(data, schema, where, path, sub=()):
-    out = {}
-    for key, value in data.items():
-        name = f"{where}.{key}" if where else key
-        if key in sub:
+def _check_table(data, table, path):
+    """The keys of ``table`` in ``data``, checked, by their field's names."""
+    schema, subtables, out = _schema(table), _SUBTABLES.get(table, ()), {}
+    for k, value in data.items():
+        name = f"{table}.{k}" if table else k
+        if k in subtables:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: [{name}] must be a table")
+            out[k] = _check_table(value, name, path)
             continue
-        check = schema.get(key)
-        if check is None:
-            known = sorted(list(schema) + list(sub))
+        if k not in schema:
+            known = sorted(list(schema) + list(subtables))
             raise ConfigError(f"{path}: unknown key {name!r} (known here: {', '.join(known)})")
+        field_name, check = schema[k]
         try:
-            out[key] = check(value)
+            value = check(value)
         except TypeError as e:
             raise ConfigError(f"{path}: {name}: expected {e}, got {value!r}") from None
+        if k == field_name:
+            out[k] = value
+        else:  # upstream's name: ours wins when both are given
+            out.setdefault(field_name, value)
     return out
 
 
@@ -3074,27 +3216,7 @@ def parse_config(text, path="grain.toml"):
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
-    raw = _check_table(data, _COMMON_KEYS, "", path,
-                       sub=("script", "custom_system", "head", "worker"))
-    if "script" in data:
-        raw["script"] = _check_table(data["script"], _SCRIPT_KEYS, "script", path)
-    if "custom_system" in data:
-        raw["custom_system"] = _check_table(data["custom_system"], _CUSTOM_KEYS,
-                                            "custom_system", path)
-    for role in ("head", "worker"):
-        if role in data:
-            subs = ("script", "gnaw") if role == "head" else ("script",)
-            sect = _check_table(data[role], {**_COMMON_KEYS, **_ROLE_KEYS[role]}, role, path,
-                                sub=subs)
-            if "script" in data[role]:
-                sect["script"] = _check_table(data[role]["script"], _SCRIPT_KEYS,
-                                              f"{role}.script", path)
-            if "gnaw" in data[role]:
-                sect["gnaw"] = _check_table(data[role]["gnaw"],
-                                            {k: check for k, (_, check) in _GNAW_KEYS.items()},
-                                            "head.gnaw", path)
-            raw[role] = sect
-    return Config(path=path, raw=raw)
+    return Config(path=path, raw=_check_table(data, "", path))
 
 
 def find_config_path(config_file=None):
@@ -3144,11 +3266,6 @@ def load_config(config_file=None):
 ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody could say
 
 
-def _pbs_walltime(seconds):
-    s = int(seconds)
-    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 def _slurm_lines(s, name, log):
     return [f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
             *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
@@ -3162,7 +3279,8 @@ def _pbs_lines(s, name, log):
     return [f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
             f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
             *([f"-l ngpus={s.gpus}"] if s.gpus else []),
-            *([f"-l walltime={_pbs_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
+            *([f"-l walltime={format_walltime(parse_walltime(s.walltime), True)}"]
+              if s.walltime else []),
             *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
             "-j oe", *([f"-o {log}"] if log else [])]
 
@@ -3268,35 +3386,6 @@ def batch_job():
     return None, None
 
 
-def allocation_end():
-    """Seconds left in this batch job's allocation, asked of the batch system; None outside
-    a batch job or when it cannot tell."""
-    system, job = batch_job()
-    time_left = SYSTEMS[system]["time_left"] if system else None
-    try:
-        return time_left(job) if time_left else None
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
-def batch_cpu_ids(allowed):
-    """The cores the batch system gave this job, when its cpuset does not say so.
-
-    Under Slurm with TaskPlugin=task/none nothing is bound: every job's cpuset is the whole
-    node, and two workers on one node would both offer core 0. The batch system still
-    knows which cores it allocated to each job. Used only when the cpuset is the whole
-    node; None when there is nothing better to say."""
-    system, job = batch_job()
-    cpu_ids = SYSTEMS[system]["cpu_ids"] if system else None
-    if not cpu_ids or len(allowed) != (os.cpu_count() or 0):
-        return None
-    try:
-        allowed = set(allowed)
-        return [i for i in cpu_ids(job) or () if i in allowed] or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def batch_states(system, ids, custom=None):
     """``{job id: state}`` for each of ``ids``: what the batch system says, ENDED for a job
     it does not know (any more), UNKNOWN when it could not be asked. A custom system is
@@ -3311,10 +3400,12 @@ def batch_states(system, ids, custom=None):
         return dict.fromkeys(ids, UNKNOWN)
 
 
-def cancel_argv(system, custom):
-    """The command that cancels a job of ``system`` (the id is appended), or None."""
-    spec = SYSTEMS.get(system)
-    return spec["cancel"](custom) if spec else None
+def cancel_job(system, job_id, custom):
+    """Cancel batch job ``job_id`` of ``system``; GrainError saying why it could not be."""
+    cancel = SYSTEMS[system]["cancel"](custom) if system in SYSTEMS else None
+    if not cancel:
+        raise GrainError(f"no cancel command for system {system!r}")
+    _run_command(cancel + [job_id], "cancel", "check custom_system.cancel_cmd, if it is yours")
 
 
 def _stamp(text, when, seq=0):
@@ -3333,16 +3424,9 @@ def job_name_and_log(s, when, seq=0):
 
 def _setup_and_cleanup(text):
     """(setup lines, cleanup lines in the order they must run)."""
-    setup, cleanup = [], []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("defer "):
-            cleanup.insert(0, stripped[len("defer "):])
-        else:
-            setup.append(stripped)
-    return setup, cleanup
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return ([x for x in lines if not x.startswith("defer ")],
+            [x[len("defer "):] for x in reversed(lines) if x.startswith("defer ")])
 
 
 def worker_resources(s):
@@ -3463,7 +3547,7 @@ def _render_template(s, body, name, log_file, setup, cleanup, when, seq):
 
 class JobBook:
     """The jobs grain submitted for one address: JSON lines in a file beside the Edge file
-    (or in ~/.local/share/grain for tcp/unix addresses), changed under flocked() because
+    (or in ~/.local/share/grain for tcp/unix addresses), changed under edit_locked() because
     `up`, `down` and heads write it concurrently."""
 
     def __init__(self, address):
@@ -3490,11 +3574,9 @@ class JobBook:
     def update(self, change):
         """Rewrite the records through ``change(records) -> records``."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with flocked(self.path):
-            records = self.records()
-            new = change(records)
-            if new != records:
-                atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in new).encode())
+        with edit_locked(self.path, self.records, lambda records: "".join(
+                json.dumps(r) + "\n" for r in records).encode()) as records:
+            records[:] = change(list(records))
 
     def mark_joined(self, job_id):
         self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
@@ -3504,14 +3586,17 @@ class JobBook:
         return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
 
 
-def _run_command(argv, what, hint):
+def _run_command(argv, what, hint, timeout=None):
+    """The output of ``argv``; GrainError saying what failed (``hint``: what to do)."""
+    timeout = timeout or SUBMIT_S
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=SUBMIT_S)
-    except FileNotFoundError:
-        raise GrainError(f"{argv[0]}: command not found — {hint}") from None
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except OSError as e:
+        raise GrainError(f"{argv[0]}: " + ("command not found" if isinstance(
+            e, FileNotFoundError) else e.strerror or str(e)) + f" — {hint}") from None
     except subprocess.TimeoutExpired:
         raise GrainError(f"{what} failed: {' '.join(argv[:1])} did not return within "
-                         f"{SUBMIT_S:g} s — {hint}") from None
+                         f"{timeout:g} s — {hint}") from None
     if cp.returncode != 0:
         msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
         raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
@@ -3550,6 +3635,245 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
 
 
 ###############################################################################
+# Host ########################################################################
+###############################################################################
+# What this machine offers a worker: its cores (this process's cpuset, or the cores the batch
+# system allocated when nothing is bound), its memory limit, its GPUs and the cores near
+# each, and the end of its allocation. One provider function, worker_provider(), says what
+# a worker process offers; _local_provider() the same for the in-process worker. A request
+# for more cores than there are gives virtual ids past the real ones (oversubscription,
+# for tests and benchmarks), by one rule.
+
+
+def allocation_end():
+    """Seconds left in this batch job's allocation, asked of the batch system; None outside
+    a batch job or when it cannot tell."""
+    system, job = batch_job()
+    time_left = SYSTEMS[system]["time_left"] if system else None
+    try:
+        return time_left(job) if time_left else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def batch_cpu_ids(allowed):
+    """The cores the batch system gave this job, when its cpuset does not say so.
+
+    Under Slurm with TaskPlugin=task/none nothing is bound: every job's cpuset is the whole
+    node, and two workers on one node would both offer core 0. The batch system still
+    knows which cores it allocated to each job. Used only when the cpuset is the whole
+    node; None when there is nothing better to say."""
+    system, job = batch_job()
+    cpu_ids = SYSTEMS[system]["cpu_ids"] if system else None
+    if not cpu_ids or len(allowed) != (os.cpu_count() or 0):
+        return None
+    try:
+        allowed = set(allowed)
+        return [i for i in cpu_ids(job) or () if i in allowed] or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _memory_gb():
+    """This process's memory limit in GB: the cgroup limit if any, else MemTotal."""
+    limit = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw.isdigit() and int(raw) < 1 << 60:
+                limit = int(raw)
+                break
+        except OSError:
+            pass
+    if limit is None:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemTotal:"):
+                        limit = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            limit = 0
+    return round((limit or 0) / 2 ** 30, 2)
+
+
+def _tool_output(argv):
+    """A GPU tool's output, or None when it is missing or fails."""
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cp.stdout if cp.returncode == 0 else None
+
+
+def _nvidia_devices():
+    """``(ids, {id: PCI address})`` from nvidia-smi: a GPU's index, or the UUIDs of its MIG
+    instances when it is partitioned (CUDA_VISIBLE_DEVICES takes either)."""
+    listing = _tool_output(["nvidia-smi", "-L"])
+    if listing is None:
+        return [], {}
+    buses = {}
+    for line in (_tool_output(["nvidia-smi", "--query-gpu=index,pci.bus_id",
+                               "--format=csv,noheader"]) or "").splitlines():
+        index, _, bus = line.partition(",")
+        buses[index.strip()] = bus.strip()
+    ids, where, gpu = [], {}, None
+    for line in listing.splitlines():
+        m = re.match(r"GPU (\d+):", line.strip())
+        if m:
+            gpu = m.group(1)
+            ids.append(gpu)
+            where[gpu] = buses.get(gpu)
+            continue
+        m = re.search(r"\bMIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
+        if m and gpu is not None:
+            if gpu in ids:  # partitioned: its instances are the devices
+                ids.remove(gpu)
+            ids.append(m.group(1))
+            where[m.group(1)] = buses.get(gpu)
+    return ids, where
+
+
+def _amd_devices():
+    """``(ids, {id: PCI address})`` from rocm-smi: its ``GPU[i]`` is the index
+    ROCR_VISIBLE_DEVICES takes (it lists every device, whatever that variable says)."""
+    listing = _tool_output(["rocm-smi", "--showbus"]) or ""
+    ids = list(dict.fromkeys(re.findall(r"^GPU\[(\d+)\]", listing, re.M)))
+    where = dict(re.findall(r"^GPU\[(\d+)\]\s*:\s*PCI Bus:\s*(\S+)", listing, re.M))
+    return ids, where
+
+
+def _numa_cores(pci, sysfs):
+    """The cores of the NUMA node of the PCI device ``pci`` (``00000000:3B:00.0``), from
+    sysfs; None when the machine does not say."""
+    if not pci:
+        return None
+    domain, _, rest = pci.lower().partition(":")
+    try:
+        with open(os.path.join(sysfs, "bus/pci/devices", f"{domain[-4:]}:{rest}",
+                               "numa_node")) as f:
+            node = int(f.read())
+        if node < 0:
+            return None
+        with open(os.path.join(sysfs, f"devices/system/node/node{node}/cpulist")) as f:
+            return parse_ids(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def find_gpus(environ=None, sysfs="/sys"):
+    """This machine's GPUs as a provider, or None: CUDA_VISIBLE_DEVICES when set (a batch
+    system's choice for this job), else what ``nvidia-smi -L`` lists (MIG instances by
+    UUID), else ROCR_VISIBLE_DEVICES, else what ``rocm-smi`` lists. Devices know the
+    cores of their NUMA node when nvidia-smi or rocm-smi, and sysfs, say."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids, where = _nvidia_devices()
+    vendor = "nvidia"
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
+    elif not ids:
+        vendor = "amd"
+        ids, where = _amd_devices()
+        rocr = environ.get("ROCR_VISIBLE_DEVICES")
+        if rocr is not None:
+            ids = list(dict.fromkeys(d.strip() for d in rocr.split(",") if d.strip()))
+    if not ids:
+        return None
+    near = {d: c for d in ids if (c := _numa_cores(where.get(d), sysfs))}
+    return Gpus(ids, vendor=vendor, near=near)
+
+
+def _cores(allowed, n):
+    """``n`` core ids: the first of ``allowed``, then virtual ids past its largest."""
+    return allowed[:n] + [max(allowed) + 1 + i for i in range(n - len(allowed))]
+
+
+def _local_provider(rpw):
+    """The provider of the in-process worker. ``Cores(N)`` becomes N real core ids from this
+    process's affinity set; asking for more than it has gives virtual ids (oversubscription,
+    useful for testing), with a note in the log."""
+    cores = _part(rpw, "Cores")
+    if cores is None or not cores._counted:
+        return rpw
+    allowed = _allowed_cores()
+    if cores.N > len(allowed):
+        log.info("local worker: %d cores requested but this process may use %d (%s); the "
+                 "rest are virtual", cores.N, len(allowed), _fmt_ids(allowed))
+    return ResourceSet._of(dict(rpw._parts(), Cores=Cores._of(_cores(allowed, cores.N))))
+
+
+def worker_provider(req=None, oversubscribe=False):
+    """The resources a worker offers, from its ``--res`` request: without Cores, the whole
+    cpuset; without Memory, its memory limit. Core ids come from this process's affinity
+    set: the cores the batch system gave the job, not 0..N-1. More cores than that set is
+    an error, unless ``oversubscribe`` (then the ids past the real ones are virtual, as for
+    the in-process worker)."""
+    allowed = _allowed_cores()
+    granted = batch_cpu_ids(allowed)
+    if granted:
+        log.info("the batch system bound no cores; using the %d it allocated to this job "
+                 "(%s)", len(granted), _fmt_ids(granted))
+        allowed = granted
+    parts = dict((req or ZERO)._parts())
+    parts.setdefault("Memory", Memory(_memory_gb()))
+    _fit_gpus(parts, oversubscribe)
+    cores = parts.setdefault("Cores", Cores._of(allowed))
+    if cores is not None:
+        if cores._counted and cores.N > len(allowed) and oversubscribe:
+            log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
+                     cores.N, len(allowed), _fmt_ids(allowed))
+        elif cores._counted and cores.N > len(allowed):
+            raise UsageError(f"--res asks for {cores.N} cores but this process may use "
+                             f"only {len(allowed)} ({_fmt_ids(allowed)})")
+        if cores._counted:
+            parts["Cores"] = Cores._of(_cores(allowed, cores.N))
+        elif not set(cores.c) <= set(allowed):
+            raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
+                             f"only {_fmt_ids(allowed)}")
+    return ResourceSet._of(parts)
+
+
+def _fit_gpus(parts, oversubscribe):
+    """The GPUs a worker offers: those it finds; ``--res`` ``Gpus(N)`` takes the first N
+    of them (more is an error, unless ``oversubscribe``: then the ids are virtual), and
+    ``--res`` naming ids offers those."""
+    asked = parts.get("Gpus")
+    if asked is not None and asked.ids is not None:
+        return
+    found = find_gpus()
+    if asked is None:
+        if found is not None:
+            parts["Gpus"] = found
+        return
+    have = found.ids if found is not None else []
+    if asked.N > len(have) and not oversubscribe:
+        raise UsageError(f"--res asks for {asked.N:g} GPU(s) but this machine shows "
+                         f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}")
+    if asked.N > len(have):
+        parts["Gpus"] = Gpus([str(i) for i in range(int(asked.N))])
+    else:
+        parts["Gpus"] = Gpus(have[:int(asked.N)], found.vendor, found.near)
+
+
+def _fit_allocation(provider):
+    """Inside a batch job, count down to the earlier of the configured walltime and the real
+    end of the allocation (less LEAVE_BEFORE_S), so the worker leaves before it is killed."""
+    left = allocation_end()
+    if left is None:
+        return provider
+    left = max(0.0, left - LEAVE_BEFORE_S)
+    parts = dict(provider._parts())
+    wt = parts.get("WTime")
+    if wt is None or wt.T is None or left < wt.remaining():
+        parts["WTime"] = WTime(T=left, countdown=True)
+        log.info("the batch system ends this allocation in %s; leaving %s before",
+                 format_walltime(left + LEAVE_BEFORE_S), format_walltime(LEAVE_BEFORE_S))
+    return ResourceSet._of(parts)
+
+
+###############################################################################
 # Results store ###############################################################
 ###############################################################################
 # A mission's memory of the jobs it ran, in SQLite (the standard library's, a real
@@ -3565,7 +3889,7 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
 # half of updating a table kept sorted by key, and stays flat as the store grows; the
 # rows a later one replaced are dropped when the mission closes the store.
 
-STORE_FORMAT = 2  # 1: one row per key (WITHOUT ROWID), read and converted on opening
+STORE_FORMAT = 2  # (1 was a table by key, in development only: refused)
 _STORE_TABLE = ("CREATE TABLE IF NOT EXISTS results_log (key TEXT, function TEXT, state TEXT, "
                 "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL)")
 _LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
@@ -3643,14 +3967,13 @@ _CORES_KEYS = {}  # N -> the request part of the key of Cores(N), the common req
 
 
 def _request_key(req):
-    if type(req) is Cores and req._ids is None:
-        key = _CORES_KEYS.get(req.N)
-        if key is not None:
-            return key
-    key = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
-    key = key.encode()
-    if type(req) is Cores and req._ids is None:
-        _CORES_KEYS[req.N] = key
+    common = type(req) is Cores and req._ids is None
+    key = _CORES_KEYS.get(req.N) if common else None
+    if key is None:
+        key = repr([(k, v._args()) for k, v in sorted(req._parts().items())
+                    if k != "WTime"]).encode()
+        if common:
+            _CORES_KEYS[req.N] = key
     return key
 
 
@@ -3770,28 +4093,22 @@ class ResultStore:
                 # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
-                self._create_or_convert()
+                self._create()
             if self._format() != str(STORE_FORMAT):
                 raise GrainError(f"results store {self.path} is of format {self._format()} "
-                                 f"(this grain.py reads {STORE_FORMAT}; a mission run with "
-                                 "it converts an older one)")
+                                 f"(this grain.py reads {STORE_FORMAT})")
             for key, state, rowid in self._db.execute(
                     "SELECT key, state, rowid FROM results_log ORDER BY rowid"):
                 self._replaced += key in self.states
                 self.states[key], self._rowids[key] = state, rowid
             self._rows = len(self._rowids) + self._replaced
-        except GrainError:
+        except (GrainError, sqlite3.DatabaseError) as e:
             self.close()
-            raise
-        except sqlite3.OperationalError as e:
-            self.close()
-            if "locked" not in str(e):
-                raise GrainError(f"results store {self.path} cannot be read ({e}); move it "
-                                 "away to start a new one") from None
-            raise GrainError(f"results store {self.path} stayed locked for "
-                             f"{STORE_STALE_S:g} s (another process is writing it)") from None
-        except sqlite3.DatabaseError as e:
-            self.close()
+            if isinstance(e, GrainError):
+                raise
+            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                raise GrainError(f"results store {self.path} stayed locked for "
+                                 f"{STORE_STALE_S:g} s (another process is writing it)") from None
             raise GrainError(f"results store {self.path} cannot be read ({e}); move it away "
                              "to start a new one") from None
         return self
@@ -3800,7 +4117,7 @@ class ResultStore:
         found = self._db.execute("SELECT v FROM meta WHERE k = 'format'").fetchone()
         return found[0] if found else None
 
-    def _create_or_convert(self):
+    def _create(self):
         tables = sorted(name for (name,) in self._db.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table'"))
         if tables and "meta" not in tables:  # (not to be written into)
@@ -3812,12 +4129,6 @@ class ResultStore:
             self._db.execute("BEGIN")
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
                              (str(STORE_FORMAT),))
-            if self._format() == "1":  # a table kept by key: copy it into a log
-                self._db.execute(_STORE_TABLE)
-                self._db.execute("INSERT INTO results_log SELECT * FROM results")
-                self._db.execute("DROP TABLE results")
-                self._db.execute("UPDATE meta SET v = ? WHERE k = 'format'",
-                                 (str(STORE_FORMAT),))
             self._db.execute(_STORE_TABLE)
 
     def _take_hold(self):
@@ -4012,9 +4323,8 @@ class ResultStore:
         with self._db:
             self._db.execute("BEGIN")
             for name in names:
-                cur = self._db.execute("DELETE FROM results_log WHERE function = ?" +
-                                       (" AND state = ?" if state else ""),
-                                       (name, state) if state else (name,))
+                cur = self._db.execute("DELETE FROM results_log WHERE function = ? AND "
+                                   "(? IS NULL OR state = ?)", (name, state, state))
                 dropped += cur.rowcount
         return dropped
 
@@ -4138,81 +4448,17 @@ class MissionResults:
 # Channel; SpecializedWorker runs here the jobs of a worker process that keeps a server.
 
 
-# Failure classes a job can be retried for, kept apart in counters and messages.
-RETRY_TEMPORARY = "temporary error"      # an exception type listed in temporary_err
-RETRY_INFRA = "infrastructure failure"   # e.g. BrokenSubprocessError
-RETRY_LOST = "worker lost"               # its connection closed or went silent
-RETRY_RETIRED = "worker retired"         # it left on purpose: walltime, quit, SIGTERM
-
-
-def interrupted(job, w, kind, why):
-    """The error of a job whose worker ``w`` went away (``kind``: RETRY_LOST or
-    RETRY_RETIRED) while running it."""
-    cls = WorkerLostError if kind == RETRY_LOST else WorkerRetiredError
-    return cls(f"job {job.name} was running on worker {w.name}, which {why}")
-
-
-def failure_class(error):
-    """How a job that raised ``error`` failed, for counts and messages (not retried)."""
-    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
-
-
-class FunctionBytes:
-    """``(digest, bytes)`` of job functions, each serialized once (an executor's cache)."""
-
-    def __init__(self):
-        self._cache = {}
-
-    def __call__(self, fn):
-        try:
-            hit = self._cache.get(fn)
-        except TypeError:  # unhashable callable
-            hit = None
-        if hit is None:
-            data = dumps_job_value(fn, f"the job function {_callable_name(fn)}")
-            hit = (hashlib.sha1(data).digest(), data)
-            with contextlib.suppress(TypeError):
-                self._cache[fn] = hit
-        return hit
-
-
-def pickle_arguments(job):
-    """A job's arguments as a worker process gets them; a TypeError naming the culprit."""
-    if not job.args and not job.kwargs:
-        return NO_ARGS_PAYLOAD
-    try:
-        return dumps_job_value((job.args, dict(job.kwargs)), "")
-    except TypeError as e:
-        raise TypeError(f"job {_callable_name(job.fn)}: {_culprit(job.args, job.kwargs)} "
-                        f"cannot be pickled{str(e)[19:]}") from None
-
-
-def unpickle_result(job, ok, data, where):
-    """``(value, error)`` from a result a worker process sent (the traceback it sent
-    becomes a note of the error)."""
-    try:
-        value = loads_job_value(data)
-        if not ok:
-            error, tb = value
-            if not isinstance(error, BaseException) or not isinstance(tb, str):
-                raise TypeError(f"an exception and its traceback were expected, got "
-                                f"{value!r:.80}")
-    except Exception as e:
-        return None, GrainError(f"the result of job {job.name} could not be unpickled "
-                                f"here: {e}")
-    if ok:
-        return value, None
-    if tb:
-        add_note(error, f"Traceback on worker {where}:\n{tb.rstrip()}")
-    return None, error
+def _ignore(*args):
+    """The handler of messages that need no answer (``ping``)."""
 
 
 class Worker:
-    """A head's view of a worker."""
+    """A head's view of a worker: the interface every kind of worker implements."""
 
     where = "local"   # where it runs, for `ls`
     job_id = None     # its batch job, if any
     channel = None    # the connection to its process, if it has one
+    pid = host = None
 
     def __init__(self, owner, res, name):
         self.owner = owner
@@ -4226,12 +4472,33 @@ class Worker:
         self.busy = set()              # the jobs running here
         self.accepting = True          # False once told to drain (quit) or retiring
         self.reserved_for = None       # a long-blocked job: no other job starts here
+        self.jobs = {}                 # id -> Job, of those it reports on (not the local one)
+        self.orphans = {}              # wire id -> allocation of a job no one has claimed yet
+        self.leaving = None            # why it announced it leaves, if it did
 
     def start(self, job):
         raise NotImplementedError
 
+    def cancel(self, job):
+        """Stop a running job whose result nobody wants any more (only a head daemon asks,
+        of its remote workers)."""
+
+    def message_handlers(self):
+        """What its process may send, by message name."""
+        return {"ping": _ignore, "leaving": self.on_leaving}
+
+    def on_leaving(self, why):
+        self.leaving, self.accepting = why, False
+        log.info("worker %s is leaving: %s", self.name, why)
+
+    def interrupt_all(self, kind, why):
+        """Its process went: the jobs it ran go back to the owner as interrupted."""
+        jobs, self.jobs = list(self.jobs.values()), {}
+        for job in jobs:
+            self.owner.job_interrupted(job, kind, why)
+
     def status(self):
-        return "up" if self.accepting else "draining"
+        return "leaving" if self.leaving else "up" if self.accepting else "draining"
 
     def statistics(self):
         return WorkerStatistics(self.name, self.res.stat(), self.total.stat(), self.running,
@@ -4241,29 +4508,6 @@ class Worker:
 WorkerStatistics = namedtuple("WorkerStatistics",
                               "name free total running status where job_id")
 WorkerStatistics.__doc__ = "A worker at one moment; free/total are ``Resource.stat()`` dicts."
-
-
-def _ignore(*args):
-    """The handler of messages that need no answer (``ping``)."""
-
-
-def _local_provider(rpw):
-    """The provider of the in-process worker. ``Cores(N)`` becomes N real core ids from this
-    process's affinity set; asking for more than it has gives virtual ids (oversubscription,
-    useful for testing), with a note in the log."""
-    cores = _part(rpw, "Cores")
-    if cores is None or not cores._counted:
-        return rpw
-    allowed = _allowed_cores()
-    if cores.N <= len(allowed):
-        ids = allowed[:cores.N]
-    else:
-        ids = list(range(cores.N))
-        log.info("local worker: %d cores requested but this process may use %d; core ids "
-                 "%s are virtual", cores.N, len(allowed), _fmt_ids(ids))
-    parts = dict(rpw._parts())
-    parts["Cores"] = Cores._of(ids)
-    return ResourceSet._of(parts)
 
 
 class LocalWorker(Worker):
@@ -4307,11 +4551,8 @@ class LocalWorker(Worker):
         started = trio.current_time()
         task_status.started()
         try:
-            if job.T is None:
+            with trio.fail_after(job.T) if job.T is not None else NO_LIMIT:
                 value = await job.fn(*job.args, **job.kwargs)
-            else:
-                with trio.fail_after(job.T):
-                    value = await job.fn(*job.args, **job.kwargs)
         except Exception as e:
             self._report(job, None, e, trio.current_time() - started)
         else:
@@ -4359,14 +4600,8 @@ class RemoteWorker(Worker):
 
     def __init__(self, owner, res, name, channel, pid=None, host=None, job_id=None):
         super().__init__(owner, res, name)
-        self.job_id = job_id
-        self.channel = channel
-        self.pid = pid
-        self.host = host
-        self.jobs = {}              # wire id -> Job running there
-        self.orphans = {}           # wire id -> allocation of a job no one has claimed yet
+        self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
         self.known_functions = set()
-        self.leaving = None         # why it announced it leaves, if it did
 
     @property
     def where(self):
@@ -4398,9 +4633,8 @@ class RemoteWorker(Worker):
             self.owner.job_sent(job)
 
     def message_handlers(self):
-        """What this peer may send, by message name."""
-        return {"done": self.on_done, "leaving": self.on_leaving, "ping": _ignore,
-                "cancelled": self.on_cancelled}
+        return dict(super().message_handlers(), done=self.on_done,
+                    cancelled=self.on_cancelled)
 
     def on_done(self, jid, ok, data, duration, kind=None):
         job = self.jobs.pop(jid, None)
@@ -4418,12 +4652,8 @@ class RemoteWorker(Worker):
             self.running -= 1
             self.owner.scheduler.pump()
 
-    def status(self):
-        return "leaving" if self.leaving else super().status()
-
     def cancel(self, job):
-        """Stop a running job whose result nobody wants any more; its resources come back
-        when the worker confirms ("cancelled") or reports it done anyway."""
+        """(Its resources come back when the worker confirms, or reports it done anyway.)"""
         if job.wire in self.jobs:
             self.channel.send(("cancel", job.wire))
 
@@ -4432,15 +4662,6 @@ class RemoteWorker(Worker):
         if job is not None:
             self.owner.job_cancelled(job)
         self.release_orphan(jid)
-
-    def on_leaving(self, why):
-        self.leaving, self.accepting = why, False
-        log.info("worker %s is leaving: %s", self.name, why)
-
-    def interrupt_all(self, kind, why):
-        jobs, self.jobs = list(self.jobs.values()), {}
-        for job in jobs:
-            self.owner.job_interrupted(job, kind, why)
 
 
 class SpecializedWorker(LocalWorker):
@@ -4454,34 +4675,25 @@ class SpecializedWorker(LocalWorker):
     def __init__(self, owner, res, name, nursery, context, channel, pid, host, job_id):
         super().__init__(owner, res, name, nursery, context)
         self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
-        self.jobs = {}       # job id -> (Job, its cancel scope)
-        self.leaving = None
+        self.scopes = {}     # job id -> its cancel scope
 
     def start(self, job):
         self._nursery.start_soon(self._run_here, job)
 
     async def _run_here(self, job):
-        with trio.CancelScope() as scope:
-            self.jobs[job.id] = (job, scope)
+        with trio.CancelScope() as self.scopes[job.id]:
+            self.jobs[job.id] = job
             await self._run(job)
+        del self.scopes[job.id]
 
     def _report(self, job, value, error, duration):
         if self.jobs.pop(job.id, None) is not None:  # else interrupted already
             self.owner.job_ended(job, value, error, duration)
 
-    def message_handlers(self):
-        return {"ping": _ignore, "leaving": self.on_leaving}
-
-    on_leaving = RemoteWorker.on_leaving
-
-    def status(self):
-        return "leaving" if self.leaving else super().status()
-
     def interrupt_all(self, kind, why):
-        jobs, self.jobs = list(self.jobs.values()), {}
-        for job, scope in jobs:
+        for scope in self.scopes.values():
             scope.cancel()
-            self.owner.job_interrupted(job, kind, why)
+        super().interrupt_all(kind, why)
 
 
 ###############################################################################
@@ -4943,6 +5155,7 @@ def _adopt(job, w, alloc):
     job.started = _now()  # (for this head's totals; its duration is what the worker says)
     job.attempts += 1
     w.jobs[job.wire] = job
+    w.busy.add(job)
 
 
 class Reunion:
@@ -5020,7 +5233,7 @@ class Reunion:
         return job if job is not None else self.claim(wire)
 
     def worker_left(self, w):
-        for wire in getattr(w, "orphans", ()):
+        for wire in w.orphans:
             self.running.pop(wire, None)
 
     async def run(self, push):
@@ -5056,6 +5269,92 @@ async def warn_of_stuck_queues(scheduler):
         await trio.sleep(STUCK_CHECK_S)
         for queue, text in scheduler.stuck():
             queue.warn(text)
+
+
+# The amounts `ls` shows of each worker, free/total: (its key in `stats`, the resource kind,
+# the format of the pair). GPUs get a column only when some worker has one.
+LS_AMOUNTS = (("cores", "Cores", "{}/{}"), ("memory", "Memory", "{:g}/{:g} GB"),
+              ("gpus", "Gpus", "{:g}/{}"))
+
+
+class HeadCore:
+    """What every head is built on, a mission's own (GrainExecutor) or the shared one
+    (HeadDaemon): the Scheduler with its workers and queues, the Tally, the Retries and the
+    Reunion. It answers the worker protocol (see Workers): a job that ends gives its
+    resources back and lets queued jobs start, and a failure is retried while its class's
+    budget lasts, else the job ends. Its owner says how: ``requeue(job)`` (a retry),
+    ``deliver(job, ok, data, duration, kind)`` (a pickled result came), and the one callback
+    for an ended job, ``complete(job, value, error, kind, pickled)``."""
+
+    def __init__(self, retries):
+        self.scheduler = Scheduler()
+        self.tally = Tally()
+        self.retries = retries
+        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
+        self.closing = False
+
+    def start(self, nursery, push):
+        """Its tasks: the reunion (its hold counts from now; held jobs go to ``push``), and
+        the warnings of stuck queues."""
+        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
+        nursery.start_soon(self.reunion.run, push)
+        nursery.start_soon(warn_of_stuck_queues, self.scheduler)
+
+    def add_worker(self, worker):
+        self.scheduler.add_worker(worker)
+
+    def remove_worker(self, worker):
+        self.scheduler.remove_worker(worker)
+
+    def statistics(self):
+        return self.scheduler.statistics()
+
+    # -- the worker protocol ---------------------------------------------------------
+    def job_ended(self, job, value, error, duration):
+        """A job of this process ended: its value, or the exception it raised."""
+        self.scheduler.release(job, ok=error is None)
+        job.duration = duration
+        self.settle(job, value, error)
+        self.pump()
+
+    def job_reported(self, job, ok, data, duration, kind, where):
+        """A remote worker's job ended: its value or exception, pickled."""
+        self.scheduler.release(job, ok=ok)
+        self.deliver(job, ok, data, duration, kind, where)
+        self.pump()
+
+    def job_interrupted(self, job, kind, why):
+        """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
+        self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
+        self.pump()
+
+    def job_cancelled(self, job):
+        """A job cancelled as asked (its mission went away): it ends, with no result."""
+        self.scheduler.release(job)
+        job.state = "failed"
+        self.pump()
+
+    def job_sent(self, job):
+        """A job that may outlive this head went to a worker process."""
+
+    def settle(self, job, value, error, kind=None, pickled=None):
+        """Retry a failure (of ``kind``, else its exception's class) while the budget
+        allows, else end the job."""
+        if error is not None:
+            kind = kind or self.retries.class_of(error)
+            if kind is not None and self.may_retry(job) and \
+                    self.retries.again(job, kind, error, self.tally):
+                job.state = "queued"
+                self.requeue(job)
+                return
+        self.complete(job, value, error, kind, pickled)
+
+    def may_retry(self, job):
+        return True
+
+    def pump(self):
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
 
 
 class HeadService:
@@ -5224,15 +5523,11 @@ class HeadService:
     def stats(self):
         """What `ls` shows: the workers, the queue and the counts by failure class."""
         st, tally = self.owner.statistics(), self.owner.tally
-        workers = [{"name": w.name,
-                    "cores": (w.free.get("Cores", (0, 0))[0], w.total.get("Cores", (0, 0))[1]),
-                    "memory": (w.free.get("Memory", (0, 0))[0],
-                               w.total.get("Memory", (0, 0))[1]),
-                    "gpus": (w.free.get("Gpus", (0, 0))[0], w.total.get("Gpus", (0, 0))[1]),
-                    "walltime": w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
-                    "running": w.running, "status": w.status, "where": w.where,
-                    "job_id": w.job_id}
-                   for w in st.workers]
+        workers = [dict({key: (w.free.get(kind, (0, 0))[0], w.total.get(kind, (0, 0))[1])
+                         for key, kind, _ in LS_AMOUNTS},
+                        name=w.name, running=w.running, status=w.status, where=w.where,
+                        walltime=w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
+                        job_id=w.job_id) for w in st.workers]
         return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
                 "queued": st.queued, "running": st.running, "done": tally.counts["done"],
                 "failed": tally.counts["failed"], "retried": tally.counts["retried"],
@@ -5744,76 +6039,6 @@ def _report_html(record, ran, t0, end, x, title):
 # address -- or it is attached to a head daemon through a MissionLink.
 
 
-class Job:
-    """One submitted job: a resource request, an async function and its arguments.
-
-    Awaiting a Job gives the function's return value or raises its exception (with the
-    original type). ``attempts`` counts runs started; ``failures`` counts each failure class
-    that was retried."""
-
-    __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
-                 "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "duration", "payload", "queue", "ref", "wire", "submitted", "started",
-                 "ended", "kind")
-
-    def __init__(self, jid, req, fn, args, kwargs, queue=None):
-        self.id = jid
-        self.wire = jid        # how workers know it: its store key#n when it has one
-        self.queue = queue     # the JobQueue it waits in (one per mission)
-        self.ref = None        # on a head daemon: the mission's own id for it
-        self.req = req
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        wt = _part(req, "WTime") if req.kind != "Cores" else None
-        self.T = wt.T if wt is not None else None
-        self.group = wt.group if wt is not None else None
-        self.attempts = 0
-        self.failures = None
-        self.alloc = None
-        self.worker = None
-        self.value = None
-        self.error = None
-        self.state = "queued"  # -> running -> done | failed (back to queued on a retry)
-        self.observed = False
-        self._event = None
-        self.duration = None
-        self.payload = None
-        self.submitted = self.started = self.ended = None  # times, on the head's clock
-        self.kind = None       # its failure class, when it failed
-
-    @property
-    def name(self):
-        return f"#{self.id} {_callable_name(self.fn)}"
-
-    def done(self):
-        return self.state == "done" or self.state == "failed"
-
-    async def wait_done(self):
-        """Wait until the job has ended, without raising its error."""
-        if self.state != "done" and self.state != "failed":
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
-
-    async def wait(self):
-        """The job's result; raises its exception if it failed."""
-        if self.state != "done" and self.state != "failed":
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
-        self.observed = True
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-    def __await__(self):
-        return self.wait().__await__()
-
-    def __repr__(self):
-        return f"<Job {self.name} {self.req!r} {self.state}>"
-
-
 class BurstClock:
     """trio's clock to the millisecond: the jobs submitted in one burst share one float
     (24 bytes a queued job fewer)."""
@@ -5826,65 +6051,6 @@ class BurstClock:
         if now - self.last > 1e-3:
             self.last = now
         return self.last
-
-
-class Tally:
-    """Jobs that ended, and retries, by failure class: what `ls` shows."""
-
-    def __init__(self):
-        self.counts = {"done": 0, "failed": 0, "retried": 0}
-        self.failed_by_class = {}
-        self.retried_by_class = {}
-
-    def ended(self, state, kind=None):
-        """Count a job that ended ``state`` ("done" or "failed", of class ``kind``)."""
-        self.counts[state] += 1
-        if state == "failed":
-            self.failed_by_class[kind] = self.failed_by_class.get(kind, 0) + 1
-
-    def retried(self, kind):
-        self.counts["retried"] += 1
-        self.retried_by_class[kind] = self.retried_by_class.get(kind, 0) + 1
-
-
-class Retries:
-    """How many times a job is retried after each failure class: temporary errors (the
-    ``temporary_err`` types) and infrastructure failures up to ``max_retries``, a lost
-    worker too (not at all when not ``persistent``), a retired one up to RETIRED_RETRIES."""
-
-    def __init__(self, max_retries=MAX_RETRIES, temporary_err=(), persistent=True):
-        if isinstance(temporary_err, type):
-            temporary_err = (temporary_err,)
-        self.temporary_err = tuple(temporary_err)
-        n = _check_count(max_retries, "max_retries")
-        self.budgets = {RETRY_TEMPORARY: n, RETRY_INFRA: n, RETRY_LOST: n if persistent else 0,
-                        RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
-
-    def class_of(self, error):
-        """The retry class of a job's exception, or None (not retried)."""
-        if isinstance(error, BrokenSubprocessError):
-            return RETRY_INFRA
-        if self.temporary_err and isinstance(error, self.temporary_err):
-            return RETRY_TEMPORARY
-        return None
-
-    def again(self, job, kind, error, tally):
-        """Count one more failure of ``kind``; True while the budget allows a retry."""
-        failures = job.failures if job.failures is not None else {}
-        job.failures = failures
-        if failures.get(kind, 0) >= self.budgets[kind]:
-            return False
-        failures[kind] = failures.get(kind, 0) + 1
-        tally.retried(kind)
-        log.warning("job %s failed with %s (%s, attempt %d); retrying",
-                    job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
-        return True
-
-    def note(self, job, error, kind):
-        """Say on the final error how many attempts were made."""
-        if kind is not None and job.attempts > 1:
-            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
-                            f"({kind}, {self.budgets[kind]} retries allowed)")
 
 
 # Upstream Grain's executor arguments that mean nothing here, and why.
@@ -5934,7 +6100,7 @@ def _worker_sources(waddrs, rpw):
     return urls, rpw
 
 
-class GrainExecutor:
+class GrainExecutor(HeadCore):
     """Runs jobs where the resources they request fit (see Scheduler for the policy), and
     collects their results. Jobs that request nothing (``ZERO``) skip the queue and run at
     once in this process, in the order they were submitted.
@@ -5968,13 +6134,11 @@ class GrainExecutor:
         _note_no_effect("GrainExecutor", no_effect)
         if not reschedule:  # upstream: "abort on any exception": no retry at all
             temporary_err, max_retries = (), 0
-        self.retries = Retries(max_retries, temporary_err, persistent)
+        super().__init__(Retries(max_retries, temporary_err, persistent))
         self.rpw = None if nolocal else rpw
         self.local_name = name
-        self.scheduler = Scheduler()
         self._main_queue = JobQueue(name)
         self.scheduler.add_queue(self._main_queue)
-        self.tally = Tally()
         self.mission = mission or MissionSetup()
         self.listen, self.key, self.max_frame = listen, key, max_frame
         self._link = None if self.mission.attach is None else MissionLink(
@@ -5992,7 +6156,6 @@ class GrainExecutor:
         self._all_done = None
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = None
-        self.closing = False
         self.elapsed = None
 
     workers = property(lambda self: self.scheduler.workers)
@@ -6046,7 +6209,7 @@ class GrainExecutor:
                     self._prepare_payload(job)
             except Exception as e:
                 job.attempts = 0
-                self._complete(job, None, e)
+                self.complete(job, None, e)
                 return
             self._enqueue(job)
 
@@ -6073,8 +6236,8 @@ class GrainExecutor:
             if self.reunion.offer(job, hold=state == "running" and not self._workers_fixed):
                 return
         if self._workers_fixed and (why := self.scheduler.too_large(job)):  # never to run
-            self._complete(job, None, GrainError(f"{why}, and no other worker can join this "
-                                                 "mission (it listens at no address)"))
+            self.complete(job, None, GrainError(f"{why}, and no other worker can join this "
+                                                "mission (it listens at no address)"))
             return
         self._queue(job)
 
@@ -6086,17 +6249,17 @@ class GrainExecutor:
 
     async def _complete_stored(self, job):
         value, error, kind = await self.stored.fetch(job)
-        self._complete(job, value, error, kind)
+        self.complete(job, value, error, kind)
 
     # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
-        self.scheduler.add_worker(worker)
+        super().add_worker(worker)
         self.record.joined(worker)
         self._workers_changed.set()
         self._workers_changed = trio.Event()
 
     def remove_worker(self, worker):
-        self.scheduler.remove_worker(worker)
+        super().remove_worker(worker)
         self.record.left(worker)
 
     def add_local_worker(self, res, name):
@@ -6108,59 +6271,25 @@ class GrainExecutor:
         while sum(1 for w in self.workers if w.channel is not None) < n:
             await self._workers_changed.wait()
 
-    def job_ended(self, job, value, error, duration):
-        """A worker's job ended: its value, or the exception it raised."""
-        self.scheduler.release(job, ok=error is None)
-        self._ended(job, value, error, duration)
-
-    def job_reported(self, job, ok, data, duration, kind, where):
-        """A remote worker's job ended: its value or exception, pickled."""
-        self.scheduler.release(job, ok=ok)
-        self._deliver(job, ok, data, duration, kind, where)
-
     def job_sent(self, job):
-        """A job that may outlive this head went to a worker process."""
         if self.stored is not None:
             self.stored.running(job)
 
-    def _deliver(self, job, ok, data, duration, kind, where="its worker"):
+    def deliver(self, job, ok, data, duration, kind, where="its worker"):
         job.attempts = job.attempts or 1  # (it ran, though maybe for another head)
-        self._ended(job, *unpickle_result(job, ok, data, where), duration, data)
-
-    def _ended(self, job, value, error, duration, pickled=None):
+        if job.started is None:  # (it ran for the last head, and ended while there was none)
+            job.started = _now() - duration
         job.duration = duration
-        if error is None:
-            self._complete(job, value, None, pickled=pickled)
-        else:
-            kind = self.retries.class_of(error)
-            if kind is None or not self._retry(job, kind, error):
-                self._complete(job, None, error, kind)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
-
-    def job_interrupted(self, job, kind, why):
-        """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
-        error = interrupted(job, self.scheduler.release(job), kind, why)
-        if not self._retry(job, kind, error):
-            self._complete(job, None, error, kind)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
-
-    def job_cancelled(self, job):  # (only a head daemon cancels jobs)
-        self.scheduler.release(job)
+        self.settle(job, *unpickle_result(job, ok, data, where), pickled=data)
 
     # -- completion -----------------------------------------------------------------
-    def _retry(self, job, kind, error):
-        if not self.retries.again(job, kind, error, self.tally):
-            return False
-        job.state = "queued"
+    def requeue(self, job):
         if job.req is not ZERO and job.req._parts():
             self._queue(job, front=True)
         else:  # no resources: it runs here again at once, as the first time
             self._enqueue(job)
-        return True
 
-    def _complete(self, job, value, error, kind=None, pickled=None):
+    def complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
             job.value, job.state = value, "done"
         else:
@@ -6188,7 +6317,7 @@ class GrainExecutor:
     def fail_queued(self, why):
         """Fail every queued job with GrainError(why) (the head daemon cannot be reached)."""
         for job in self.scheduler.take_queued(self._main_queue):
-            self._complete(job, None, GrainError(why))
+            self.complete(job, None, GrainError(why))
 
     async def wait_all(self):
         """Wait until every job submitted so far has ended."""
@@ -6198,7 +6327,7 @@ class GrainExecutor:
 
     # -- as a head ------------------------------------------------------------------
     def statistics(self):
-        st = self.scheduler.statistics()
+        st = super().statistics()
         return st._replace(running=st.running + self._zero_worker.running)
 
     async def serve_mission(self, channel, info, why=None):
@@ -6241,8 +6370,7 @@ class GrainExecutor:
                        for module, res in m.backendless]
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
-        self.reunion = Reunion(self._deliver, claim=self.scheduler.claim)
-        self._nursery.start_soon(self.reunion.run, self._queue)
+        self.start(self._nursery, self._queue)
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
         if rt is not None:
@@ -6257,7 +6385,6 @@ class GrainExecutor:
                                         context, output))
         for name, value, res in backendless:
             self.add_worker(LocalWorker(self, res, name, self._nursery, value))
-        self._nursery.start_soon(warn_of_stuck_queues, self.scheduler)
         if self.progress is not False:
             start_progress(self, self._stack, self._nursery)
         if self.stored is not None:
@@ -6974,190 +7101,8 @@ def set_numpy_oneline_repr(on=True):
 ###############################################################################
 # ``python grain.py worker --url URL``: one per node. It connects to a head (or, with
 # ``--listen``, waits for a head to dial it), registers its name and resources, runs the
-# jobs it is sent, and sends results back (WorkerProcess). What it offers comes from its
-# cpuset and memory limit, and its allocation's end: the batch system's, not 0..N-1.
-
-
-def _memory_gb():
-    """This process's memory limit in GB: the cgroup limit if any, else MemTotal."""
-    limit = None
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-            if raw.isdigit() and int(raw) < 1 << 60:
-                limit = int(raw)
-                break
-        except OSError:
-            pass
-    if limit is None:
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemTotal:"):
-                        limit = int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            limit = 0
-    return round((limit or 0) / 2 ** 30, 2)
-
-
-def _tool_output(argv):
-    """A GPU tool's output, or None when it is missing or fails."""
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return cp.stdout if cp.returncode == 0 else None
-
-
-def _nvidia_devices():
-    """``(ids, {id: PCI address})`` from nvidia-smi: a GPU's index, or the UUIDs of its MIG
-    instances when it is partitioned (CUDA_VISIBLE_DEVICES takes either)."""
-    listing = _tool_output(["nvidia-smi", "-L"])
-    if listing is None:
-        return [], {}
-    buses = {}
-    for line in (_tool_output(["nvidia-smi", "--query-gpu=index,pci.bus_id",
-                               "--format=csv,noheader"]) or "").splitlines():
-        index, _, bus = line.partition(",")
-        buses[index.strip()] = bus.strip()
-    ids, where, gpu = [], {}, None
-    for line in listing.splitlines():
-        m = re.match(r"GPU (\d+):", line.strip())
-        if m:
-            gpu = m.group(1)
-            ids.append(gpu)
-            where[gpu] = buses.get(gpu)
-            continue
-        m = re.search(r"\bMIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
-        if m and gpu is not None:
-            if gpu in ids:  # partitioned: its instances are the devices
-                ids.remove(gpu)
-            ids.append(m.group(1))
-            where[m.group(1)] = buses.get(gpu)
-    return ids, where
-
-
-def _amd_devices():
-    """``(ids, {id: PCI address})`` from rocm-smi: its ``GPU[i]`` is the index
-    ROCR_VISIBLE_DEVICES takes (it lists every device, whatever that variable says)."""
-    listing = _tool_output(["rocm-smi", "--showbus"]) or ""
-    ids = list(dict.fromkeys(re.findall(r"^GPU\[(\d+)\]", listing, re.M)))
-    where = dict(re.findall(r"^GPU\[(\d+)\]\s*:\s*PCI Bus:\s*(\S+)", listing, re.M))
-    return ids, where
-
-
-def _numa_cores(pci, sysfs):
-    """The cores of the NUMA node of the PCI device ``pci`` (``00000000:3B:00.0``), from
-    sysfs; None when the machine does not say."""
-    if not pci:
-        return None
-    domain, _, rest = pci.lower().partition(":")
-    try:
-        with open(os.path.join(sysfs, "bus/pci/devices", f"{domain[-4:]}:{rest}",
-                               "numa_node")) as f:
-            node = int(f.read())
-        if node < 0:
-            return None
-        with open(os.path.join(sysfs, f"devices/system/node/node{node}/cpulist")) as f:
-            return parse_ids(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def find_gpus(environ=None, sysfs="/sys"):
-    """This machine's GPUs as a provider, or None: CUDA_VISIBLE_DEVICES when set (a batch
-    system's choice for this job), else what ``nvidia-smi -L`` lists (MIG instances by
-    UUID), else ROCR_VISIBLE_DEVICES, else what ``rocm-smi`` lists. Devices know the
-    cores of their NUMA node when nvidia-smi or rocm-smi, and sysfs, say."""
-    environ = os.environ if environ is None else environ
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    ids, where = _nvidia_devices()
-    vendor = "nvidia"
-    if visible is not None:
-        ids = [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
-    elif not ids:
-        vendor = "amd"
-        ids, where = _amd_devices()
-        rocr = environ.get("ROCR_VISIBLE_DEVICES")
-        if rocr is not None:
-            ids = list(dict.fromkeys(d.strip() for d in rocr.split(",") if d.strip()))
-    if not ids:
-        return None
-    near = {d: c for d in ids if (c := _numa_cores(where.get(d), sysfs))}
-    return Gpus(ids, vendor=vendor, near=near)
-
-
-def worker_provider(req=None, oversubscribe=False):
-    """The resources a worker offers, from its ``--res`` request: without Cores, the whole
-    cpuset; without Memory, its memory limit. Core ids come from this process's affinity
-    set: the cores the batch system gave the job, not 0..N-1. More cores than that set is
-    an error, unless ``oversubscribe`` (then the ids past the real ones are virtual, as for
-    the in-process worker)."""
-    allowed = _allowed_cores()
-    granted = batch_cpu_ids(allowed)
-    if granted:
-        log.info("the batch system bound no cores; using the %d it allocated to this job "
-                 "(%s)", len(granted), _fmt_ids(granted))
-        allowed = granted
-    parts = dict((req or ZERO)._parts())
-    parts.setdefault("Memory", Memory(_memory_gb()))
-    _fit_gpus(parts, oversubscribe)
-    cores = parts.setdefault("Cores", Cores._of(allowed))
-    if cores is not None:
-        if cores._counted and cores.N > len(allowed) and oversubscribe:
-            parts["Cores"] = Cores._of(allowed + [max(allowed) + 1 + i for i in
-                                                   range(cores.N - len(allowed))])
-            log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
-                     cores.N, len(allowed), _fmt_ids(allowed))
-        elif cores._counted:
-            if cores.N > len(allowed):
-                raise UsageError(f"--res asks for {cores.N} cores but this process may use "
-                                 f"only {len(allowed)} ({_fmt_ids(allowed)})")
-            parts["Cores"] = Cores._of(allowed[:cores.N])
-        elif not set(cores.c) <= set(allowed):
-            raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
-                             f"only {_fmt_ids(allowed)}")
-    return ResourceSet._of(parts)
-
-
-def _fit_gpus(parts, oversubscribe):
-    """The GPUs a worker offers: those it finds; ``--res`` ``Gpus(N)`` takes the first N
-    of them (more is an error, unless ``oversubscribe``: then the ids are virtual), and
-    ``--res`` naming ids offers those."""
-    asked = parts.get("Gpus")
-    if asked is not None and asked.ids is not None:
-        return
-    found = find_gpus()
-    if asked is None:
-        if found is not None:
-            parts["Gpus"] = found
-        return
-    have = found.ids if found is not None else []
-    if asked.N > len(have) and not oversubscribe:
-        raise UsageError(f"--res asks for {asked.N:g} GPU(s) but this machine shows "
-                         f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}")
-    if asked.N > len(have):
-        parts["Gpus"] = Gpus([str(i) for i in range(int(asked.N))])
-    else:
-        parts["Gpus"] = Gpus(have[:int(asked.N)], found.vendor, found.near)
-
-
-def _fit_allocation(provider):
-    """Inside a batch job, count down to the earlier of the configured walltime and the real
-    end of the allocation (less LEAVE_BEFORE_S), so the worker leaves before it is killed."""
-    left = allocation_end()
-    if left is None:
-        return provider
-    left = max(0.0, left - LEAVE_BEFORE_S)
-    parts = dict(provider._parts())
-    wt = parts.get("WTime")
-    if wt is None or wt.T is None or left < wt.remaining():
-        parts["WTime"] = WTime(T=left, countdown=True)
-        log.info("the batch system ends this allocation in %s; leaving %s before",
-                 format_walltime(left + LEAVE_BEFORE_S), format_walltime(LEAVE_BEFORE_S))
-    return ResourceSet._of(parts)
+# jobs it is sent, and sends results back (WorkerProcess). What it offers is what Host
+# says of this machine.
 
 
 class WorkerProcess:
@@ -7332,11 +7277,8 @@ class WorkerProcess:
                     raise GrainError(f"the job function could not be loaded on worker "
                                      f"{self.name}: {fn!r}")
                 args, kwargs = loads_job_value(payload)
-                if T is None:
+                with trio.fail_after(T) if T is not None else NO_LIMIT:
                     value = await fn(*args, **kwargs)
-                else:
-                    with trio.fail_after(T):
-                        value = await fn(*args, **kwargs)
                 try:
                     reply = (True, dumps_job_value(value, "the result"))
                 except TypeError as e:
@@ -7626,16 +7568,15 @@ class SwarmKeeper:
                  batch_id, joined, len(self.pending), self.target)
 
 
-class HeadDaemon:
+class HeadDaemon(HeadCore):
     """A head that runs no mission and no user code: it schedules the jobs of every
     attached mission on its workers (the Scheduler serves their queues fairly) and passes
-    jobs and results on as the missions and workers pickled them."""
+    jobs and results on as the missions and workers pickled them. It retries only the jobs
+    of lost and retired workers: missions retry the rest."""
 
     def __init__(self, listen, key, *, idle_quit=1800.0, mission_socket=None, job_book=None,
                  swarm=None, log_file="", max_missions=8, max_frame=MAX_FRAME):
-        self.scheduler = Scheduler()
-        self.tally = Tally()
-        self.retries = Retries()  # for lost and retired workers; missions retry the rest
+        super().__init__(Retries())
         self.service = HeadService(self, listen, key, max_frame=max_frame, job_book=job_book,
                                    commands={"stats": self._stats, "stop": self._stop,
                                              "scale": self._scale}, specialized=False)
@@ -7648,21 +7589,18 @@ class HeadDaemon:
         self.log_file = log_file
         self.max_missions = max_missions
         self.stopped = trio.Event()
-        self.closing = False
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
-        self.reunion = Reunion(self._deliver, claim=self.scheduler.claim)
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
         async with open_strict_nursery() as nursery:
+            self.start(nursery, self._push_held)
             urls = await nursery.start(self.service.run)
-            nursery.start_soon(self.reunion.run, self._push_held)
             if self.mission_socket:
                 await nursery.start(serve, f"unix://{self.mission_socket}", self.service.key,
                                     self.service.handle_connection)
             nursery.start_soon(self._watch_idle)
-            nursery.start_soon(warn_of_stuck_queues, self.scheduler)
             if self.swarm is not None:
                 nursery.start_soon(self.swarm.run, self._joined)
             task_status.started(urls)
@@ -7681,47 +7619,32 @@ class HeadDaemon:
     def add_worker(self, worker):
         if self.swarm is not None:
             self.swarm.pending.pop(worker.job_id, None)
-        self.scheduler.add_worker(worker)
+        super().add_worker(worker)
 
     def remove_worker(self, worker):
-        self.scheduler.remove_worker(worker)
+        super().remove_worker(worker)
         if self.swarm is not None and self.swarm.changed is not None:
             self.swarm.changed.set()
 
     def _joined(self):
         return sum(1 for w in self.scheduler.workers if w.channel is not None)
 
-    def job_sent(self, job):
-        pass  # the mission knows (it is the one to hand its jobs over to the next daemon)
-
     def _push_held(self, job):
         if not job.queue.gone:  # its worker did not come back: it runs again
             self.scheduler.push(job)
 
-    def job_reported(self, job, ok, data, duration, kind, where):
-        self.scheduler.release(job, ok)
-        self._deliver(job, ok, data, duration, kind)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+    def may_retry(self, job):
+        return not job.queue.gone
 
-    def job_interrupted(self, job, kind, why):
-        error = interrupted(job, self.scheduler.release(job), kind, why)
-        if not job.queue.gone and self.retries.again(job, kind, error, self.tally):
-            job.state = "queued"
-            self.scheduler.push_front(job)
-        else:
-            self.retries.note(job, error, kind)
-            self._deliver(job, False, dumps_job_value((error, ""), ""), 0.0, kind)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+    def requeue(self, job):
+        self.scheduler.push_front(job)
 
-    def job_cancelled(self, job):
-        self.scheduler.release(job)
-        job.state = "failed"
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+    def complete(self, job, value, error, kind, pickled):
+        """(Only the jobs of lost and retired workers end here; see deliver.)"""
+        self.retries.note(job, error, kind)
+        self.deliver(job, False, dumps_job_value((error, ""), ""), 0.0, kind)
 
-    def _deliver(self, job, ok, data, duration, kind):
+    def deliver(self, job, ok, data, duration, kind, where=None):
         """A job of a mission ended: count it and pass its result on, if the mission is
         still there."""
         job.state = "done" if ok else "failed"
@@ -7785,7 +7708,7 @@ class HeadDaemon:
         dropped = len(self.scheduler.remove_queue(m))
         cancelled = 0
         for w in self.scheduler.workers:
-            for job in list(getattr(w, "jobs", {}).values()):
+            for job in list(w.busy):
                 if job.queue is m:
                     w.cancel(job)
                     cancelled += 1
@@ -7793,8 +7716,7 @@ class HeadDaemon:
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
                  f"; dropped {dropped} queued and cancelled {cancelled} running job(s)"
                  if dropped or cancelled else "")
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+        self.pump()
 
     def _changed(self):
         self._missions_changed.set()
@@ -7819,15 +7741,9 @@ class HeadDaemon:
                 return
 
     # -- the command line --------------------------------------------------------------
-    def statistics(self):
-        return self.scheduler.statistics()
-
     def _stats(self):
         stats = self.service.stats()
-        running = {}
-        for w in self.scheduler.workers:
-            for job in getattr(w, "jobs", {}).values():
-                running[job.queue] = running.get(job.queue, 0) + 1
+        running = Counter(job.queue for w in self.scheduler.workers for job in w.busy)
         stats["missions"] = [{"name": m.name, "host": m.host, "prioritized": m.prioritized,
                               "queued": len(m.jobs), "running": running.get(m, 0),
                               "done": m.done, "failed": m.failed,
@@ -7989,8 +7905,7 @@ def _from_installed(names, target):
         for f in dist.files or ():
             rel = str(f).replace(os.sep, "/")
             if _bundle_file(rel) and not rel.startswith(".."):
-                files[rel] = f.read_binary() if hasattr(f, "read_binary") else \
-                    open(dist.locate_file(f), "rb").read()
+                files[rel] = f.read_binary()
         out[name] = (dist.version, files)
     return out
 
@@ -8095,12 +8010,9 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
         if interpreter is None:
             say(f"pack: no Python {target[0]}.{target[1]} here to test the bundle with")
         else:
-            cp = subprocess.run([interpreter, "-I", "-S", tmp, "--version"],
-                                capture_output=True, text=True, timeout=120)
-            if cp.returncode != 0:
-                raise GrainError(f"the bundle fails under {interpreter}: "
-                                 f"{(cp.stderr.strip().splitlines() or ['?'])[-1]}")
-            say(f"pack: tested with {interpreter} -I -S: {cp.stdout.strip()}")
+            version = _run_command([interpreter, "-I", "-S", tmp, "--version"], "testing the "
+                                   f"bundle under {interpreter}", "the bundle is not written", 120)
+            say(f"pack: tested with {interpreter} -I -S: {version.strip()}")
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(OSError):
@@ -8139,25 +8051,18 @@ def format_waiting(waiting, blocked=False):
 
 def format_ls(stats):
     """The `ls` table: one row per worker, a TOTAL row, then the queue figures."""
-    gpus = any(w.get("gpus", (0, 0))[1] for w in stats["workers"])  # a column if any
-    rows = [("WORKER", "CORES free/total", "MEMORY free/total") + ("GPUS free/total",) * gpus +
-            ("WALLTIME", "RUNNING", "STATUS", "WHERE")]
-    tc, tm, tg = [0, 0], [0.0, 0.0], [0.0, 0]
-    running = 0
-    for w in stats["workers"]:
-        tc = [tc[0] + w["cores"][0], tc[1] + w["cores"][1]]
-        tm = [tm[0] + w["memory"][0], tm[1] + w["memory"][1]]
-        g = w.get("gpus", (0, 0))
-        tg = [tg[0] + g[0], tg[1] + g[1]]
-        running += w["running"]
-        rows.append((w["name"], f"{w['cores'][0]}/{w['cores'][1]}",
-                     f"{w['memory'][0]:g}/{w['memory'][1]:g} GB") +
-                    (f"{g[0]:g}/{g[1]}",) * gpus +
-                    ("-" if w["walltime"] is None else format_walltime(w["walltime"]),
+    workers = stats["workers"]
+    amounts = [(key, fmt) for key, _, fmt in LS_AMOUNTS
+               if key != "gpus" or any(w.get(key, (0, 0))[1] for w in workers)]
+    rows = [("WORKER", *(f"{key.upper()} free/total" for key, _ in amounts),
+             "WALLTIME", "RUNNING", "STATUS", "WHERE")]
+    for w in workers:
+        rows.append((w["name"], *(fmt.format(*w.get(key, (0, 0))) for key, fmt in amounts),
+                     "-" if w["walltime"] is None else format_walltime(w["walltime"]),
                      str(w["running"]), w["status"], w["where"]))
-    rows.append(("TOTAL", f"{tc[0]}/{tc[1]}", f"{tm[0]:g}/{tm[1]:g} GB") +
-                (f"{tg[0]:g}/{tg[1]}",) * gpus +
-                ("", str(running), f"{len(stats['workers'])} worker(s)", ""))
+    rows.append(("TOTAL", *(fmt.format(*(sum(w.get(key, (0, 0))[i] for w in workers)
+                                         for i in (0, 1))) for key, fmt in amounts),
+                 "", str(sum(w["running"] for w in workers)), f"{len(workers)} worker(s)", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     def by_class(counts):
@@ -8373,16 +8278,10 @@ def format_jobs(records):
         return []
     lines = ["", "submitted, not joined:"]
     for r in records:
-        state = r["state"]
-        if state == UNKNOWN:
-            lines.append(f"  job {r['id']} ({r['name']}): state unknown (the batch system did "
-                         "not answer)")
-        elif state != ENDED:
-            lines.append(f"  job {r['id']} ({r['name']}): {state}")
-        else:
-            lines.append(f"  job {r['id']} ({r['name']}): ENDED WITHOUT ITS WORKER EVER "
-                         f"JOINING; the end of its log {r['log']}:")
-            lines.append(log_tail(r["log"]))
+        said = {UNKNOWN: "state unknown (the batch system did not answer)",
+                ENDED: f"ENDED WITHOUT ITS WORKER EVER JOINING; the end of its log {r['log']}:"}
+        lines.append(f"  job {r['id']} ({r['name']}): {said.get(r['state'], r['state'])}")
+        lines += [log_tail(r["log"])] if r["state"] == ENDED else []
     return lines
 
 
@@ -8474,10 +8373,6 @@ def _cmd_explain(args):
     return 0
 
 
-def _extra(args):
-    return [a for a in args.extra if a != "--"]
-
-
 def _cmd_up(args):
     s = load_config(args.config).role("worker")
     if args.n < 1:
@@ -8493,7 +8388,7 @@ def _cmd_up(args):
         if args.dry:
             print(script, end="")
             return 0
-        job_id = submit_script(s, script, _extra(args), "worker", when, seq)
+        job_id = submit_script(s, script, args.extra, "worker", when, seq)
         name, log_file = job_name_and_log(s, when, seq)
         print(f"submitted worker job {job_id} ({name}); log: {log_file}")
     return 0
@@ -8512,7 +8407,7 @@ def _cmd_start(args):
     if args.dry:
         print(script, end="")
         return 0
-    job_id = submit_script(s, script, _extra(args), "head", when)
+    job_id = submit_script(s, script, args.extra, "head", when)
     print(f"submitted head job {job_id} ({_stamp(s.name, when)})")
     return 0
 
@@ -8538,29 +8433,14 @@ def _cmd_down(args):
             for r in records:
                 if r["id"] not in live:
                     continue  # ended already: forget it
-                cancel = cancel_argv(r.get("system"), custom)
-                if not cancel:
-                    print(f"job {r['id']} ({r['name']}): no cancel command for system "
-                          f"{r.get('system')!r}; cancel it yourself")
-                    keep.append(r)
-                    continue
                 try:
-                    cp = subprocess.run(cancel + [r["id"]], capture_output=True, text=True,
-                                        timeout=SUBMIT_S)
-                except (OSError, subprocess.TimeoutExpired) as e:
-                    why = (f"did not return within {SUBMIT_S:g} s" if isinstance(
-                        e, subprocess.TimeoutExpired) else e.strerror or str(e))
-                    print(f"job {r['id']} ({r['name']}): {' '.join(cancel)}: {why}; cancel it "
-                          "yourself (custom_system.cancel_cmd, if it is yours)")
+                    cancel_job(r.get("system"), r["id"], custom)
+                except GrainError as e:
+                    print(f"job {r['id']} ({r['name']}): {e}; cancel it yourself")
                     keep.append(r)
                     continue
-                if cp.returncode == 0:
-                    print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
-                    cancelled += 1
-                else:
-                    print(f"job {r['id']} ({r['name']}): {' '.join(cancel)} failed: "
-                          f"{(cp.stderr or cp.stdout).strip()}")
-                    keep.append(r)
+                print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
+                cancelled += 1
             return keep
 
         book.update(cancel_live)
@@ -8612,7 +8492,7 @@ def main(argv=None):
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command in ("up", "start"):  # `up -n 2 --qos=debug`: the rest goes to sbatch/qsub
-        args.extra = unknown
+        args.extra = [a for a in unknown if a != "--"]
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
