@@ -384,6 +384,38 @@ def add_note(exc, note):
             exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
+class StandIn:
+    """Stands for sys.stdout or sys.stderr (``default``): what is written goes to
+    ``target()`` (where a mission's local jobs print), or to ``default`` when that gives
+    None, after ``before(text)`` (a status line clears itself)."""
+
+    def __init__(self, default, target=lambda: None, before=None):
+        self._default, self._target, self._before = default, target, before
+
+    def write(self, text):
+        if self._before is not None:
+            self._before(text)
+        return (self._target() or self._default).write(text)
+
+    def flush(self):
+        target = self._target()
+        if target is not None:
+            target.flush()
+        self._default.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._default, name)
+
+
+async def watch_signals(on_signal, *, task_status=TASK_STATUS_IGNORED):
+    """Call ``on_signal(name)`` at each SIGTERM or SIGINT, once started: a process that
+    leaves in order (a worker tells its head, a head daemon says goodbye to its workers)."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            on_signal(signal.Signals(signum).name)
+
+
 def lone_exception(exc):
     """The one exception inside a group of one (nested nurseries wrap an error in a group
     each), or ``exc`` itself."""
@@ -1754,6 +1786,18 @@ def loads_job_value(data):
     return pickle.loads(data[1:]) if data[:1] == b"p" else dill.loads(data[1:])
 
 
+def pickled_failure(error, tb="", dumps=lambda v: dumps_job_value(v, ""), loads=loads_job_value):
+    """``dumps((error, tb))``: a job's exception and its traceback, to travel. One that
+    cannot be pickled, or made again from its pickle, travels as a GrainError naming it."""
+    try:
+        data = dumps((error, tb))
+        loads(data)
+        return data
+    except Exception:
+        return dumps((GrainError(f"{type(error).__name__}: {error} (the exception could not "
+                                 "be pickled)"), tb))
+
+
 def _culprit(args, kwargs):
     """The first argument that cannot be pickled, for the error message."""
     for key, a in [*enumerate(args), *kwargs.items()]:
@@ -2777,14 +2821,8 @@ def _subproc_child_main(result_fd):
                         stream.flush()
             payload = dill.dumps(reply)
         except BaseException as e:  # report everything, even SystemExit, to the caller
-            tb = traceback.format_exc()
-            try:
-                payload = dill.dumps((False, (e, tb)))
-                dill.loads(payload)  # (one that pickles but cannot be made again: as text)
-            except Exception:
-                payload = dill.dumps((False, (GrainError(f"{type(e).__name__}: {e} "
-                                                         "(the exception could not be pickled)"),
-                                              tb)))
+            payload = pickled_failure(e, traceback.format_exc(),
+                                      lambda v: dill.dumps((False, v)), dill.loads)
         out.write(encode_frame(payload))
 
 
@@ -4006,26 +4044,26 @@ _STORE_FIELDS = 7  # the values a row is given
 # The store's writer: a process of its own, so that inserting rows and waiting for the
 # disk never take the event loop's time. (A thread could not: it needs the interpreter
 # back after every statement, and a busy loop held it for a quarter of a second at a time,
-# putting the writes seconds behind.) It reads batches of rows (8-byte size, a pickled
-# flat list of their fields), commits each and answers one byte; a size of 0 says the
-# mission is done with it. At the end of its input (the mission died) it leaves too: the
-# batches it was sent are written. A batch cut short is not written: the mission did not
-# see it acknowledged and writes it itself. (-I: the standard library only, not a module
-# of the mission's directory.)
+# putting the writes seconds behind.) It reads batches of rows (each a pickle of the flat
+# list of their fields: pickles need no frames), commits each and answers one byte; an
+# empty batch says the mission is done with it. At the end of its input (the mission
+# died) it leaves too: the batches it was sent are written. A batch cut short is not
+# written: the mission did not see it acknowledged and writes it itself. (-I: the
+# standard library only, not a module of the mission's directory.)
 _STORE_WRITER = """
-import pickle, sqlite3, struct, sys
+import pickle, sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
 db.execute("PRAGMA synchronous=FULL")
-read = sys.stdin.buffer.read
 while True:
-    head = read(8)
-    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-    batch = read(size)
-    if size == 0 or len(batch) < size:
+    try:
+        batch = pickle.load(sys.stdin.buffer)
+    except Exception:  # the end of its input, or a batch cut short
+        break
+    if not batch:
         break
     with db:
         db.execute("BEGIN")
-        db.executemany(sys.argv[2], zip(*[iter(pickle.loads(batch))] * int(sys.argv[3])))
+        db.executemany(sys.argv[2], zip(*[iter(batch)] * int(sys.argv[3])))
     try:
         sys.stdout.buffer.write(b".")
         sys.stdout.buffer.flush()
@@ -4268,10 +4306,9 @@ class ResultStore:
             return
         if self._writer is not None:
             proc, to_writer, from_writer = self._writer
-            data = pickle.dumps(rows, protocol=4)
             try:
                 self._in_flight = True
-                await to_writer.send_all(struct.pack("<Q", len(data)) + data)
+                await to_writer.send_all(pickle.dumps(rows, protocol=4))
                 if await from_writer.receive_some(1) == b".":
                     self._in_flight = False
                     return
@@ -4294,7 +4331,7 @@ class ResultStore:
             proc.kill()
         else:
             with contextlib.suppress(OSError):
-                os.write(proc.stdin.fileno(), bytes(8))  # a batch of size 0: done
+                os.write(proc.stdin.fileno(), pickle.dumps([]))  # an empty batch: done
         for stream in (to_writer, from_writer, proc.stdin, proc.stdout):
             stream.close()
         try:
@@ -4394,8 +4431,7 @@ class MissionResults:
     def record(self, job, value, error, kind, pickled=None):
         """Remember how ``job`` ended (``pickled``: its value as its worker sent it)."""
         try:
-            data = (_stored_value(value, pickled) if error is None else
-                    dumps_job_value((error, ""), "the exception"))
+            data = _stored_value(value, pickled) if error is None else pickled_failure(error)
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
@@ -4562,26 +4598,6 @@ class LocalWorker(Worker):
         self.owner.job_ended(job, value, error, duration)
 
 
-class _RoutedStream:
-    """Stands for sys.stdout or sys.stderr while a mission's local worker has a log file
-    (``head.log_file``): what its jobs print goes to that file, the rest where it went."""
-
-    def __init__(self, default):
-        self._default = default
-
-    def write(self, text):
-        return (_OUTPUT.get() or self._default).write(text)
-
-    def flush(self):
-        target = _OUTPUT.get()
-        if target is not None:
-            target.flush()
-        self._default.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._default, name)
-
-
 @contextlib.contextmanager
 def _routed_job_output(path):
     """The file the local worker's jobs print to (None: the terminal, as any print)."""
@@ -4589,8 +4605,8 @@ def _routed_job_output(path):
         yield None
         return
     with open(path, "a", buffering=1, encoding="utf-8") as f, \
-            contextlib.redirect_stdout(_RoutedStream(sys.stdout)), \
-            contextlib.redirect_stderr(_RoutedStream(sys.stderr)):
+            contextlib.redirect_stdout(StandIn(sys.stdout, _OUTPUT.get)), \
+            contextlib.redirect_stderr(StandIn(sys.stderr, _OUTPUT.get)):
         yield f
 
 
@@ -4696,15 +4712,6 @@ class SpecializedWorker(LocalWorker):
         super().interrupt_all(kind, why)
 
 
-###############################################################################
-# Scheduler ###################################################################
-###############################################################################
-# The queue policy, synchronous and free of I/O: which job starts on which worker, and
-# when. It sees jobs only through their attributes (queue, req, group, state, attempts,
-# alloc, worker, T) and starts one by ``worker.start(job)``, which never blocks; it reads
-# time through a clock it is given, so tests can drive it without trio.
-
-
 async def _enter_backendless(stack, module, res):
     """Start a backendless specialized worker in this process, for as long as ``stack`` is
     open: (name, GVAR.context, resources)."""
@@ -4713,6 +4720,15 @@ async def _enter_backendless(stack, module, res):
     value = await stack.enter_async_context(module.grain_context(**info))
     log.info("specialized worker %s (backendless, %s) with %r", name, module.__name__, res)
     return name, value, res
+
+
+###############################################################################
+# Scheduler ###################################################################
+###############################################################################
+# The queue policy, synchronous and free of I/O: which job starts on which worker, and
+# when. It sees jobs only through their attributes (queue, req, group, state, attempts,
+# alloc, worker, T) and starts one by ``worker.start(job)``, which never blocks; it reads
+# time through a clock it is given, so tests can drive it without trio.
 
 
 class JobQueue:
@@ -5853,6 +5869,11 @@ class ProgressLine:
             self.stream.write("\r\x1b[K")
             self.shown = False
 
+    def before_write(self, text):
+        """Someone else writes ``text`` to the terminal."""
+        self.clear()
+        self.partial = bool(text) and not text.endswith("\n")
+
     def close(self):
         self.clear()
         self.partial = True  # nothing drawn from now on
@@ -5871,31 +5892,17 @@ class ProgressLine:
             await trio.sleep(0.5)
 
 
-class _UnderStatus:
-    """Stands for stdout or stderr while a status line is shown: clears it first."""
-
-    def __init__(self, line, default):
-        self._line, self._default = line, default
-
-    def write(self, text):
-        self._line.clear()
-        self._line.partial = bool(text) and not text.endswith("\n")
-        return self._default.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self._default, name)
-
-
 def start_progress(executor, stack, nursery):
     """Show the mission's status line (ProgressLine) while ``stack`` is open, if wanted."""
     stream = sys.stderr
     if not ProgressLine.wanted(stream):
         return
     line = ProgressLine(executor, stream)
+    under = functools.partial(StandIn, before=line.before_write)
     for handler in log.handlers:  # grain's own log goes through the stand-in too
-        stack.callback(handler.setStream, handler.setStream(_UnderStatus(line, stream)))
-    stack.enter_context(contextlib.redirect_stdout(_UnderStatus(line, sys.stdout)))
-    stack.enter_context(contextlib.redirect_stderr(_UnderStatus(line, stream)))
+        stack.callback(handler.setStream, handler.setStream(under(stream)))
+    stack.enter_context(contextlib.redirect_stdout(under(sys.stdout)))
+    stack.enter_context(contextlib.redirect_stderr(under(stream)))
     stack.callback(line.close)
     nursery.start_soon(line.run)
 
@@ -7154,7 +7161,7 @@ class WorkerProcess:
         then any head ``reconnect()`` reaches."""
         async with open_strict_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._watch_signals)
+            await nursery.start(watch_signals, self._signalled)
             lost = await self._session(stream, res)
             while lost and not self.done.is_set():
                 stream = await self._look_for_head(reconnect)
@@ -7284,12 +7291,7 @@ class WorkerProcess:
                 except TypeError as e:
                     raise GrainError(f"{e} (type {type(value).__name__})") from None
             except Exception as e:
-                tb = traceback.format_exc()
-                try:
-                    data = dumps_job_value((e, tb), "the exception")
-                except TypeError:
-                    data = dumps_job_value((GrainError(f"{type(e).__name__}: {e}"), tb), "")
-                reply = (False, data, failure_class(e))
+                reply = (False, pickled_failure(e, traceback.format_exc()), failure_class(e))
             msg = ("done", jid, *reply[:2], trio.current_time() - started, *reply[2:])
             self.send(msg)
         self.running.pop(jid, None)
@@ -7359,12 +7361,10 @@ class WorkerProcess:
         log.info("walltime is up; leaving")
         self.leave("its walltime ended")
 
-    async def _watch_signals(self):
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("got %s; leaving", signal.Signals(signum).name)
-                self.leave(f"got {signal.Signals(signum).name}")
-                return
+    def _signalled(self, name):
+        if not self.done.is_set():
+            log.info("got %s; leaving", name)
+            self.leave(f"got {name}")
 
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
@@ -7402,15 +7402,14 @@ async def _reach_head(url, listen, key, provider):
         return await accept_one(listeners, key)
     wt = _part(provider, "WTime")
     signalled = []
-    with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting, \
-            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async def stop_on_signal():  # (not killed outright: its Edge record is taken back)
-            async for signum in signals:
-                signalled.append(signal.Signals(signum).name)
-                waiting.cancel()
 
+    def stop(name):  # (not killed outright: its Edge record is taken back)
+        signalled.append(name)
+        waiting.cancel()
+
+    with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
         async with open_strict_nursery() as nursery:
-            nursery.start_soon(stop_on_signal)
+            await nursery.start(watch_signals, stop)
             try:
                 return await connect(url, key, wait=True)
             except (Unreachable, OSError, PeerError) as e:
@@ -7642,7 +7641,7 @@ class HeadDaemon(HeadCore):
     def complete(self, job, value, error, kind, pickled):
         """(Only the jobs of lost and retired workers end here; see deliver.)"""
         self.retries.note(job, error, kind)
-        self.deliver(job, False, dumps_job_value((error, ""), ""), 0.0, kind)
+        self.deliver(job, False, pickled_failure(error), 0.0, kind)
 
     def deliver(self, job, ok, data, duration, kind, where=None):
         """A job of a mission ended: count it and pass its result on, if the mission is
@@ -7783,16 +7782,14 @@ async def head_main(s, worker, key, idle_quit=None):
     if s.daemon_extra_args:
         log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
                     "of upstream's Go daemon", " ".join(s.daemon_extra_args))
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with open_strict_nursery() as nursery:
-            async def on_signal():
-                async for signum in signals:
-                    log.info("got %s; stopping", signal.Signals(signum).name)
-                    daemon.stopped.set()
+    def stop(name):
+        log.info("got %s; stopping", name)
+        daemon.stopped.set()
 
-            nursery.start_soon(on_signal)
-            await daemon.run()
-            nursery.cancel_scope.cancel()
+    async with open_strict_nursery() as nursery:
+        await nursery.start(watch_signals, stop)
+        await daemon.run()
+        nursery.cancel_scope.cancel()
     return 0
 
 
