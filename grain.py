@@ -551,6 +551,11 @@ def output_path_problem(path):
     return None if os.path.isdir(where) else f"no directory {where}"
 
 
+def _unlink_quietly(path):
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def atomic_write(path, data, mode=0o600):
     """Replace ``path`` with ``data`` in one step (write a temp file, then rename)."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -560,8 +565,7 @@ def atomic_write(path, data, mode=0o600):
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
         raise
 
 
@@ -1734,6 +1738,17 @@ class Retries:
 
 NO_KWARGS = types.MappingProxyType({})
 NO_LIMIT = contextlib.nullcontext()  # the walltime of a job without T
+
+
+async def run_job_here(fn, args, kwargs, alloc, instance, context, T):
+    """Run a job's function in this task as the job: GVAR tells it its allocation, its
+    worker and its context; its T is a deadline (trio.TooSlowError). Every worker runs its
+    jobs this way (a pool process runs @subprocify's, synchronous, under SIGALRM)."""
+    _RES.set(alloc)
+    _INSTANCE.set(instance)
+    _CONTEXT.set(context)
+    with trio.fail_after(T) if T is not None else NO_LIMIT:
+        return await fn(*args, **kwargs)
 NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -2375,8 +2390,7 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
             task_status.started(urls)
     finally:
         if scheme == "unix":  # our socket file: nobody is to find it after us
-            with contextlib.suppress(OSError):
-                os.unlink(where)
+            _unlink_quietly(where)
 
 
 async def _serve_edge(path, key, on_accept, handler, task_status):
@@ -2433,8 +2447,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
             with edge.locked() as data:
                 if (data["listener"] or {}).get("lid") == lid:
                     data["listener"] = None
-        with contextlib.suppress(OSError):
-            os.unlink(sock_path)
+        _unlink_quietly(sock_path)
 
 
 async def connect(url, key, *, wait=False):
@@ -2482,8 +2495,7 @@ async def _wait_to_be_called(edge, seen, key):
         with trio.CancelScope(shield=True):
             for listener in listeners:
                 await listener.aclose()
-        with contextlib.suppress(OSError):
-            os.unlink(sock_path)
+        _unlink_quietly(sock_path)
         with contextlib.suppress(OSError):
             with edge.locked() as data:
                 data["dialer"] = [d for d in data["dialer"]
@@ -3714,26 +3726,15 @@ def batch_cpu_ids(allowed):
 
 def _memory_gb():
     """This process's memory limit in GB: the cgroup limit if any, else MemTotal."""
-    limit = None
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-            if raw.isdigit() and int(raw) < 1 << 60:
-                limit = int(raw)
-                break
-        except OSError:
-            pass
-    if limit is None:
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemTotal:"):
-                        limit = int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            limit = 0
-    return round((limit or 0) / 2 ** 30, 2)
+    for path, found in (("/sys/fs/cgroup/memory.max", r"^(\d+)$"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", r"^(\d+)$"),
+                        ("/proc/meminfo", r"^MemTotal:\s+(\d+) kB")):
+        with contextlib.suppress(OSError), open(path) as f:
+            m = re.search(found, f.read().strip(), re.M)
+            limit = int(m.group(1)) * (1024 if "kB" in found else 1) if m else 1 << 60
+            if limit < 1 << 60:  # (no cgroup limit is "max", or a huge number)
+                return round(limit / 2 ** 30, 2)
+    return 0.0
 
 
 def _tool_output(argv):
@@ -3823,23 +3824,33 @@ def find_gpus(environ=None, sysfs="/sys"):
     return Gpus(ids, vendor=vendor, near=near)
 
 
-def _cores(allowed, n):
-    """``n`` core ids: the first of ``allowed``, then virtual ids past its largest."""
-    return allowed[:n] + [max(allowed) + 1 + i for i in range(n - len(allowed))]
+def _fit_cores(parts, allowed, oversubscribe, who):
+    """Make ``parts``' Cores(N) ids of this process's ``allowed`` cores: the first N, then
+    (``oversubscribe``; else an error) virtual ids past the largest. Named ids must be
+    allowed ones."""
+    cores = parts.get("Cores")
+    if cores is not None and not cores._counted and not set(cores.c) <= set(allowed):
+        raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
+                         f"only {_fmt_ids(allowed)}")
+    if cores is None or not cores._counted:
+        return
+    if cores.N > len(allowed) and not oversubscribe:
+        raise UsageError(f"--res asks for {cores.N} cores but this process may use "
+                         f"only {len(allowed)} ({_fmt_ids(allowed)})")
+    if cores.N > len(allowed):
+        log.info("%s: %d cores offered, %d real (%s); the rest are virtual", who, cores.N,
+                 len(allowed), _fmt_ids(allowed))
+    parts["Cores"] = Cores._of(allowed[:cores.N] + [max(allowed) + 1 + i for i in
+                                                    range(cores.N - len(allowed))])
 
 
 def _local_provider(rpw):
-    """The provider of the in-process worker. ``Cores(N)`` becomes N real core ids from this
-    process's affinity set; asking for more than it has gives virtual ids (oversubscription,
-    useful for testing), with a note in the log."""
-    cores = _part(rpw, "Cores")
-    if cores is None or not cores._counted:
-        return rpw
-    allowed = _allowed_cores()
-    if cores.N > len(allowed):
-        log.info("local worker: %d cores requested but this process may use %d (%s); the "
-                 "rest are virtual", cores.N, len(allowed), _fmt_ids(allowed))
-    return ResourceSet._of(dict(rpw._parts(), Cores=Cores._of(_cores(allowed, cores.N))))
+    """The provider of the in-process worker: ``Cores(N)`` as core ids, as a worker's (with
+    virtual ones past this process's affinity set: useful for testing)."""
+    parts = dict(rpw._parts())
+    if "Cores" in parts and parts["Cores"]._counted:
+        _fit_cores(parts, _allowed_cores(), True, "local worker")
+    return ResourceSet._of(parts)
 
 
 def worker_provider(req=None, oversubscribe=False):
@@ -3857,19 +3868,8 @@ def worker_provider(req=None, oversubscribe=False):
     parts = dict((req or ZERO)._parts())
     parts.setdefault("Memory", Memory(_memory_gb()))
     _fit_gpus(parts, oversubscribe)
-    cores = parts.setdefault("Cores", Cores._of(allowed))
-    if cores is not None:
-        if cores._counted and cores.N > len(allowed) and oversubscribe:
-            log.info("oversubscribed: %d cores offered, %d real (%s); the rest are virtual",
-                     cores.N, len(allowed), _fmt_ids(allowed))
-        elif cores._counted and cores.N > len(allowed):
-            raise UsageError(f"--res asks for {cores.N} cores but this process may use "
-                             f"only {len(allowed)} ({_fmt_ids(allowed)})")
-        if cores._counted:
-            parts["Cores"] = Cores._of(_cores(allowed, cores.N))
-        elif not set(cores.c) <= set(allowed):
-            raise UsageError(f"--res names cores {_fmt_ids(cores.c)} but this process may use "
-                             f"only {_fmt_ids(allowed)}")
+    parts.setdefault("Cores", Cores._of(allowed))
+    _fit_cores(parts, allowed, oversubscribe, "oversubscribed")
     return ResourceSet._of(parts)
 
 
@@ -4204,8 +4204,7 @@ class ResultStore:
                 f"results store {self.path} is in use by the mission pid {who.get('pid')} "
                 f"on {who.get('host')} (since {time.ctime(who.get('since', 0))}); one "
                 "mission writes a store at a time")
-        with contextlib.suppress(OSError):
-            os.unlink(self.holder)
+        _unlink_quietly(self.holder)
         return True
 
     def beat(self):
@@ -4223,8 +4222,7 @@ class ResultStore:
             self._db = None
         if self.held:
             self.held = False
-            with contextlib.suppress(OSError):
-                os.unlink(self.holder)
+            _unlink_quietly(self.holder)
 
     def _drop_replaced(self):
         with self._lock, self._db:
@@ -4468,8 +4466,8 @@ class MissionResults:
 # A worker, as a head sees it: a name, the resources it has free (``res``, a provider
 # the Scheduler allocates from; a worker without WTime gets an unlimited one, so timed
 # jobs run there too), a total for display, and ``start(job)``, which launches the job
-# without blocking. It reports back to its owner (an Executor, or the head daemon)
-# through this protocol, exactly once per job it started:
+# without blocking. It reports back to its owner (a HeadCore: see Head service) through
+# this protocol, exactly once per job it started:
 #
 #   owner.job_ended(job, value, error, duration)              a local job ended
 #   owner.job_reported(job, ok, data, duration, kind, name)   a remote one (pickled)
@@ -4478,10 +4476,10 @@ class MissionResults:
 #
 # and asks ``owner.function_bytes(fn)`` for a job function to send. A remote worker also
 # says ``owner.job_sent(job)`` of a job that may outlive this head (one with a string id:
-# a store key, a mission's token), and hands ``owner.reunion`` (see Head service) what
-# it ran for an earlier head. LocalWorker runs
-# jobs as tasks of this process; RemoteWorker is a worker process at the other end of a
-# Channel; SpecializedWorker runs here the jobs of a worker process that keeps a server.
+# a store key, a mission's token), and hands ``owner.reunion`` what it ran for an
+# earlier head. Worker is the interface every kind implements: LocalWorker runs jobs as
+# tasks of this process; RemoteWorker is a worker process at the other end of a Channel;
+# SpecializedWorker runs here the jobs of a worker process that keeps a server.
 
 
 def _ignore(*args):
@@ -4579,16 +4577,13 @@ class LocalWorker(Worker):
                 await self._nursery.start(self._run, self._in_order.popleft())
 
     async def _run(self, job, task_status=TASK_STATUS_IGNORED):
-        _RES.set(job.alloc)
-        _INSTANCE.set(self.name)
-        _CONTEXT.set(self.context)
         if self.output is not None:
             _OUTPUT.set(self.output)
         started = trio.current_time()
         task_status.started()
         try:
-            with trio.fail_after(job.T) if job.T is not None else NO_LIMIT:
-                value = await job.fn(*job.args, **job.kwargs)
+            value = await run_job_here(job.fn, job.args, job.kwargs, job.alloc, self.name,
+                                       self.context, job.T)
         except Exception as e:
             self._report(job, None, e, trio.current_time() - started)
         else:
@@ -4639,7 +4634,7 @@ class RemoteWorker(Worker):
             self.res.dealloc(job.alloc)
             self.running -= 1
             job.alloc = alloc
-            self.owner.reunion.running.pop(job.wire, None)  # (not to be cancelled)
+            self.owner.reunion.adopted(job.wire)
             self.jobs[job.wire] = job
             return
         digest = self._send_function(job.fn)
@@ -5145,11 +5140,12 @@ class Scheduler:
 # Where workers and CLI clients reach a head -- a mission's own, or the head daemon --
 # at its address: the first message of a connection says who it is. A registered
 # worker is served until it leaves or is lost, and its running jobs go back to its
-# owner as interrupted; CLI commands are answered from a table of handlers. The owner
-# (an Executor, or the HeadDaemon) keeps the Scheduler and answers the worker protocol
-# (see Workers), plus: add_worker(w), remove_worker(w), tally, statistics(),
-# serve_mission(channel, info) and warn_all(text). A worker that comes back after its
-# head died is matched to the jobs of the new one by a Reunion.
+# owner as interrupted; CLI commands are answered from a table of handlers. The owner is
+# a HeadCore -- what a mission's own head (GrainExecutor) and the HeadDaemon are built
+# on: the Scheduler, the tallies, the retries and the Reunion, answering the worker
+# protocol (see Workers) -- plus serve_mission(channel, info) and warn_all(text). A
+# worker that comes back after its head died is matched to the jobs of the new one by a
+# Reunion.
 
 
 async def receive_all(channel, handlers):
@@ -5247,6 +5243,11 @@ class Reunion:
             return None
         job = self.held.pop(wire, None)
         return job if job is not None else self.claim(wire)
+
+    def adopted(self, wire):
+        """The job ``wire``, which a worker came back with, was started there again: it is
+        that job's run now (not to be cancelled)."""
+        self.running.pop(wire, None)
 
     def worker_left(self, w):
         for wire in w.orphans:
@@ -5813,18 +5814,14 @@ class MissionRecord:
     def write_html(self, path, jobs, title="grain mission"):
         """The mission report (see the section) to ``path``; a failure is logged, not
         raised: a report is not worth the mission's result."""
-        try:
-            self._write_html(path, jobs, title)
-        except OSError as e:
-            log.error("the mission report %s could not be written: %s", path, e.strerror or e)
-
-    def _write_html(self, path, jobs, title):
         end = _now()
         ran = [j for j in jobs if j.started is not None]
         t0 = min([self.t0] + [j.started for j in ran])
-        span = max(end - t0, 1e-3)
-        x = REPORT_WIDTH / span
-        atomic_write(path, _report_html(self, ran, t0, end, x, title).encode(), mode=0o644)
+        html_ = _report_html(self, ran, t0, end, REPORT_WIDTH / max(end - t0, 1e-3), title)
+        try:
+            atomic_write(path, html_.encode(), mode=0o644)
+        except OSError as e:
+            log.error("the mission report %s could not be written: %s", path, e.strerror or e)
 
 
 class ProgressLine:
@@ -6039,11 +6036,11 @@ def _report_html(record, ran, t0, end, x, title):
 ###############################################################################
 # Executor ####################################################################
 ###############################################################################
-# A mission's engine: it takes jobs (submit), runs those without resources here at once
-# and queues the others with its Scheduler, retries failures by class, hands results to
-# whoever awaits them, and owns the workers' protocol (see Workers). It is the head of
-# its mission -- with an in-process worker, a HeadService for workers joining at its
-# address -- or it is attached to a head daemon through a MissionLink.
+# A mission's engine, a HeadCore: it takes jobs (submit), runs those without resources
+# here at once and queues the others, retries failures by class (its Retries), and hands
+# results to whoever awaits them. It is the head of its mission -- with an in-process
+# worker, a HeadService for workers joining at its address -- or it is attached to a
+# head daemon through a MissionLink.
 
 
 class BurstClock:
@@ -6475,9 +6472,7 @@ class WaitGroup:
     """Jobs and subtasks that run in parallel; the ``async with`` waits for all of them."""
 
     def __init__(self, executor, nursery):
-        self._executor = executor
-        self._nursery = nursery
-        self._items = []
+        self._executor, self._nursery, self._items = executor, nursery, []
 
     def submit(self, res, fn, *args, **kwargs):
         """Put a job onto the waitgroup; returns the Job."""
@@ -6508,10 +6503,7 @@ class WaitGroup:
 
 
 class _Subtask:
-    __slots__ = ("value", "error")
-
-    def __init__(self):
-        self.value = self.error = None
+    value = None
 
     async def run(self, afn, args, kwargs):
         self.value = await afn(*args, **kwargs)
@@ -6585,12 +6577,8 @@ def _as_mains(main):
 
 
 class _SetupFailed(Exception):
-    """A mission's set-up failed: its head, its store, its address (``error``, a
+    """A mission's set-up failed: its head, its store, its address (``args[0]``, a
     GrainError, is what run() raises)."""
-
-    def __init__(self, error):
-        super().__init__(error)
-        self.error = error
 
 
 async def _run_mission(mains, single, executor_args, executor_kwargs):
@@ -6630,7 +6618,7 @@ def _start_mission(main, executor_args, executor_kwargs, config_file, address,
         return trio_run(_run_mission, mains, len(mains) == 1 and callable(main),
                         executor_args, {**executor_kwargs, **options})
     except _SetupFailed as e:
-        raise e.error.with_traceback(None) from None
+        raise e.args[0].with_traceback(None) from None
     except KeyboardInterrupt as e:  # (Ctrl-C: the last log line said what ended; not where)
         raise e.with_traceback(None) from None
 
@@ -6718,11 +6706,8 @@ def _delayeds_in(obj, out):
     """Append every Delayed found in ``obj`` (looking into lists, tuples, sets, dicts)."""
     if isinstance(obj, Delayed):
         out.append(obj)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for x in obj:
-            _delayeds_in(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
+    elif isinstance(obj, (list, tuple, set, frozenset, dict)):
+        for x in obj.values() if isinstance(obj, dict) else obj:
             _delayeds_in(x, out)
     return out
 
@@ -6862,27 +6847,22 @@ class Delayed:
 
 
 def _make_operators():
-    binary = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift",
-              "and", "or", "xor", "matmul"]
-    for name in binary:
-        op = getattr(operator, name + "_" if name in ("and", "or") else name)
+    def forward(op):
+        return lambda self, other: Delayed._apply(op, (self, other))
 
-        def forward(self, other, op=op):
-            return Delayed._apply(op, (self, other))
+    def reflected(op):
+        return lambda self, other: Delayed._apply(op, (other, self))
 
-        def reflected(self, other, op=op):
-            return Delayed._apply(op, (other, self))
-
-        setattr(Delayed, f"__{name}__", forward)
-        setattr(Delayed, f"__r{name}__", reflected)
+    for name in ("add sub mul truediv floordiv mod pow lshift rshift and or xor matmul "
+                 "divmod").split():
+        op = divmod if name == "divmod" else getattr(operator, f"__{name}__")
+        setattr(Delayed, f"__{name}__", forward(op))
+        setattr(Delayed, f"__r{name}__", reflected(op))
     for name in ["lt", "le", "gt", "ge", "eq", "ne"]:
-        op = getattr(operator, name)
-        setattr(Delayed, f"__{name}__", lambda self, other, op=op: Delayed._apply(op, (self, other)))
+        setattr(Delayed, f"__{name}__", forward(getattr(operator, name)))
     for name in ["neg", "pos", "abs", "invert"]:
         op = getattr(operator, name)
         setattr(Delayed, f"__{name}__", lambda self, op=op: Delayed._apply(op, (self,)))
-    Delayed.__divmod__ = lambda self, other: Delayed._apply(divmod, (self, other))
-    Delayed.__rdivmod__ = lambda self, other: Delayed._apply(divmod, (other, self))
 
 
 _make_operators()
@@ -6930,10 +6910,7 @@ class DelayedFn:
     __slots__ = ("fn", "res", "nout", "copy")
 
     def __init__(self, fn, res=ZERO, nout=None, copy_on_setitem=True):
-        self.fn = fn
-        self.res = res
-        self.nout = nout
-        self.copy = copy_on_setitem
+        self.fn, self.res, self.nout, self.copy = fn, res, nout, copy_on_setitem
 
     def __matmul__(self, res):
         if not isinstance(res, Resource):
@@ -7059,8 +7036,7 @@ class _CappedNursery:
     it started are running (see open_nursery_with_capacity)."""
 
     def __init__(self, nursery, conc):
-        self._nursery = nursery
-        self._slots = trio.Semaphore(conc)
+        self._nursery, self._slots = nursery, trio.Semaphore(conc)
 
     async def start_once_acquired(self, fn, *args):
         async def run(task_status=TASK_STATUS_IGNORED):
@@ -7128,12 +7104,10 @@ class WorkerProcess:
 
     def __init__(self, name, hello, context=None, reattach=0.0, max_frame=MAX_FRAME,
                  oversubscribe=False):
-        self.name = name
+        self.name, self.reattach, self.max_frame = name, reattach, max_frame
+        self.oversubscribe = oversubscribe
         self.hello = hello       # what registering tells a head, but the resources
         self.context = context   # GVAR.context of its jobs
-        self.reattach = reattach
-        self.max_frame = max_frame
-        self.oversubscribe = oversubscribe
         self.res = None          # what it offers (known once it registered)
         self.channel = None      # to the head, while there is one
         self.outbox = []         # messages for the head, kept while there is none
@@ -7228,11 +7202,9 @@ class WorkerProcess:
             log.warning("lost the head (%s); leaving", how)
             self.done.set()
             return False
-        kept = 0
+        kept = sum(type(jid) is str for jid in self.running)
         for jid, (scope, _) in self.running.items():
-            if type(jid) is str:
-                kept += 1
-            else:  # the old head's number: no new head can claim it
+            if type(jid) is not str:  # the old head's number: no new head can claim it
                 scope.cancel()
         # Of the results of one job, only the last goes again, and none while it runs: the
         # head ran it again after the earlier (a retry), which a new head must not retry.
@@ -7273,9 +7245,6 @@ class WorkerProcess:
                                  alloc, T)
 
     async def _run_job(self, jid, fn, payload, alloc, T):
-        _RES.set(alloc)
-        _INSTANCE.set(self.name)
-        _CONTEXT.set(self.context)
         started = trio.current_time()
         with trio.CancelScope() as scope:
             self.running[jid] = (scope, alloc)
@@ -7284,8 +7253,7 @@ class WorkerProcess:
                     raise GrainError(f"the job function could not be loaded on worker "
                                      f"{self.name}: {fn!r}")
                 args, kwargs = loads_job_value(payload)
-                with trio.fail_after(T) if T is not None else NO_LIMIT:
-                    value = await fn(*args, **kwargs)
+                value = await run_job_here(fn, args, kwargs, alloc, self.name, self.context, T)
                 try:
                     reply = (True, dumps_job_value(value, "the result"))
                 except TypeError as e:
@@ -7379,17 +7347,26 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     # Its batch job, as the submit command named it, so the head knows which submission
     # has joined.
     job_id = batch_job()[1]
-    name = name or (f"{hostname()}-{job_id}" if job_id else hostname())
-    if sworker is None:
-        return await _worker_session(url, res, name, context, listen, key, max_frame,
-                                     oversubscribe, job_id, None, reattach)
-    module = load_module(sworker, "--sworker")
-    async with module.grain_run_sworker() as info:
-        info = dict(info)
-        name = info.pop("name", None) or name
-        return await _worker_session(url, res, name, context, listen, key, max_frame,
-                                     oversubscribe, job_id, {"type": sworker, "info": info},
-                                     reattach)
+    hello = {"name": name or (f"{hostname()}-{job_id}" if job_id else hostname()),
+             "pid": os.getpid(), "host": hostname(), "job_id": job_id, "sworker": None}
+    provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
+    # A passive worker waits to be dialled: no new head would; a specialized worker's
+    # jobs ran in its head, and went with it.
+    reattach = 0.0 if listen or sworker else reattach
+    async with contextlib.AsyncExitStack() as stack:
+        if sworker is not None:
+            module = load_module(sworker, "--sworker")
+            info = dict(await stack.enter_async_context(module.grain_run_sworker()))
+            hello.update(name=info.pop("name", None) or hello["name"],
+                         sworker={"type": sworker, "info": info})
+        # The context wraps the worker's whole life, every head it serves included.
+        value = await stack.enter_async_context(context()) if context else None
+        stream = await _reach_head(url, listen, key, provider)
+        if stream is None:
+            return 0
+        worker = WorkerProcess(hello["name"], hello, value, reattach, max_frame, oversubscribe)
+        await worker.serve(stream, provider, functools.partial(connect, url, key, wait=True))
+    return 0
 
 
 async def _reach_head(url, listen, key, provider):
@@ -7421,31 +7398,13 @@ async def _reach_head(url, listen, key, provider):
     return None
 
 
-async def _worker_session(url, res, name, context, listen, key, max_frame, oversubscribe,
-                          job_id, sworker, reattach=0.0):
-    provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
-    hello = {"name": name, "pid": os.getpid(), "host": hostname(), "job_id": job_id,
-             "sworker": sworker}
-    # A passive worker waits to be dialled: no new head would; a specialized worker's
-    # jobs ran in its head, and went with it.
-    reattach = 0.0 if listen or sworker else reattach
-    # The context wraps the worker's whole life, every head it serves included.
-    async with contextlib.AsyncExitStack() as stack:
-        value = await stack.enter_async_context(context()) if context else None
-        stream = await _reach_head(url, listen, key, provider)
-        if stream is None:
-            return 0
-        worker = WorkerProcess(name, hello, value, reattach, max_frame, oversubscribe)
-        await worker.serve(stream, provider, functools.partial(connect, url, key, wait=True))
-    return 0
-
 
 ###############################################################################
 # Head daemon #################################################################
 ###############################################################################
 # ``python grain.py head``: the scheduler on its own, shared by every mission with the
 # same address, so workers outlive a mission and serve the next one. It is made of the
-# pieces above -- a Scheduler with one JobQueue per mission, a HeadService for workers,
+# pieces above -- a HeadCore with one JobQueue per mission, a HeadService for workers,
 # the CLI and missions (those on this host also reach it on a Unix socket), Retries for
 # lost workers -- and never opens what missions send: jobs and results pass through as
 # the missions and workers pickled them, so no user code runs here. It cancels a
@@ -8012,8 +7971,7 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
             say(f"pack: tested with {interpreter} -I -S: {version.strip()}")
         os.replace(tmp, out)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
     say(f"pack: wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB)")
     return out
 

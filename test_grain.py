@@ -453,7 +453,7 @@ def slurm_config(tmp_path, system="slurm", **script):
 
 def grain_cli(*args, cwd=HERE, timeout=120, **kw):
     """Run ``python grain.py ARGS``: the one way the tests run the CLI."""
-    return grain_cli(*args, cwd=cwd, timeout=timeout, **kw)
+    return run_py(GRAIN, *args, cwd=cwd, timeout=timeout, **kw)
 
 
 def squeue_ids():
@@ -4561,6 +4561,120 @@ async def test_a_worker_that_lost_its_head_resends_only_the_last_result_of_a_job
 ###############################################################################
 
 
+class InProcessDaemon:
+    """A HeadDaemon in this process, its workers and missions fakes at the other end of
+    memory streams: its policies, on trio's autojump clock, to the exact second."""
+
+    def __init__(self, nursery, **options):
+        self.daemon = grain.HeadDaemon("tcp://127.0.0.1:0", b"k" * 32, **options)
+        self.nursery = nursery
+        self.started = []        # (time, mission, ref) of each job, as the worker got it
+        self.one_started = trio.Event()
+
+    def _peer(self, name):
+        head_side, side = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self.daemon.service.handle_connection, head_side, name)
+        return side
+
+    def worker(self, cores, seconds):
+        """A worker that runs each job for ``seconds``."""
+        async def serve(stream):
+            async with grain.open_channel(stream, "the daemon") as ch, \
+                    trio.open_nursery() as jobs:
+                ch.send(("register", {"name": "w", "res": Cores(cores), "pid": 1}))
+                while (msg := await ch.receive()) is not None:
+                    if msg[0] == "run":
+                        jobs.start_soon(run, ch, msg[1])
+
+        async def run(ch, jid):
+            mission, ref = jid.split("/")
+            self.started.append((trio.current_time(), mission, int(ref)))
+            self.one_started.set()
+            await trio.sleep(seconds)
+            ch.send(("done", jid, True, grain.dumps_job_value(None, ""), seconds))
+
+        self.nursery.start_soon(serve, self._peer("worker"))
+
+    async def mission(self, name, n, prioritized=False):
+        """A mission of ``n`` jobs of one core; returns when all came back."""
+        async with grain.open_channel(self._peer(name), "the daemon") as ch:
+            ch.send(("mission", {"name": name, "token": name, "prioritized": prioritized}))
+            assert (await ch.receive())[0] == "attached"
+            ch.send(("fn", b"digest", grain.dumps_job_value(abs, ""), "f"))
+            for ref in range(n):
+                ch.send(("job", ref, Cores(1), b"digest", grain.NO_ARGS_PAYLOAD))
+            done = 0
+            while done < n:
+                done += (await ch.receive())[0] == "done"
+
+
+@trio_test
+async def test_the_daemon_serves_missions_round_robin_on_the_clock(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        d = InProcessDaemon(nursery)
+        d.worker(cores=1, seconds=10)
+        async with trio.open_nursery() as missions:
+            missions.start_soon(d.mission, "a", 3)
+            await d.one_started.wait()
+            missions.start_soon(d.mission, "b", 3)
+        nursery.cancel_scope.cancel()
+    # one job at a time, each 10 s, the two missions' jobs in turn from b's arrival on
+    assert [(t - d.started[0][0], m) for t, m, _ in d.started] == [
+        (0, "a"), (10, "b"), (20, "a"), (30, "b"), (40, "a"), (50, "b")]
+
+
+@trio_test
+async def test_a_prioritized_mission_goes_first_on_the_clock(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        d = InProcessDaemon(nursery)
+        d.worker(cores=1, seconds=10)
+        async with trio.open_nursery() as missions:
+            missions.start_soon(d.mission, "normal", 4)
+            await d.one_started.wait()
+            missions.start_soon(d.mission, "first", 2, True)
+        nursery.cancel_scope.cancel()
+    # the running job ends; then the prioritized mission's, all of them; then the rest
+    assert [m for _, m, _ in d.started] == ["normal", "first", "first", "normal", "normal",
+                                           "normal"]
+
+
+@trio_test
+async def test_an_idle_head_daemon_quits_on_the_clock(autojump_clock):
+    d = InProcessDaemon(None, idle_quit=600)
+    async with trio.open_nursery() as nursery:
+        d.nursery = nursery
+        t0 = trio.current_time()
+        nursery.start_soon(d.daemon.run)
+        await trio.sleep(100)
+        d.worker(cores=1, seconds=50)
+        await d.mission("m", 1)              # attached from 100 s to 150 s: idle from 150 s
+        with trio.fail_after(700):
+            await d.daemon.stopped.wait()
+        assert trio.current_time() - t0 == pytest.approx(750)
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_worker_without_a_head_leaves_when_its_grace_ends_on_the_clock(autojump_clock):
+    head_side, worker_side = trio.testing.memory_stream_pair()
+    worker = grain.WorkerProcess("w", {"name": "w"}, reattach=120)
+
+    async def no_head_yet():
+        raise grain.Unreachable("nobody there")
+
+    async def head_that_goes():
+        async with grain.open_channel(head_side, "w") as ch:
+            assert (await ch.receive())[0] == "register"
+        # (its stream closed, without a goodbye: the worker lost its head)
+
+    async with trio.open_nursery() as nursery:
+        t = trio.current_time()
+        nursery.start_soon(head_that_goes)
+        await worker.serve(worker_side, Cores(1), no_head_yet)
+    assert trio.current_time() - t == pytest.approx(120, abs=grain.REATTACH_POLL_S)
+    assert worker.outbox[-1] == ("leaving", "no head came within 120 s (worker.reattach)")
+
+
 def _runs(path):
     """job -> how many times it ran, from the lines the jobs wrote."""
     counts = {}
@@ -4646,17 +4760,17 @@ def test_missions_share_the_head_daemon_fairly_and_reuse_its_worker(daemon):
 
 
 def test_a_prioritized_mission_goes_first(daemon):
+    # The smoke test of the policy (test_a_prioritized_mission_goes_first_on_the_clock
+    # tells the order to the second): a mission's `prioritized` reaches the daemon, which
+    # says so, and both missions get their results.
     daemon.worker(cores=1)
-    # 8 s of backlog: the second mission must arrive while the first still has some, and
-    # starting a mission takes seconds on a busy machine (2.4 s of it was too little)
-    normal = daemon.mission(40, 0.2)
+    normal = daemon.mission(10, 0.2)
     daemon.wait_ls("missions: 1 attached")
-    first = daemon.mission(4, 0.2, "", "--first")
-    first_r, normal_r = daemon.result(first), daemon.result(normal)
-    lo, hi = min(first_r["starts"]), max(first_r["starts"])
-    # Once it arrived, none of the other mission's jobs started until it had all of its own.
-    assert not [s for s in normal_r["starts"] if lo < s < hi], (first_r, normal_r)
-    assert hi < max(normal_r["starts"])
+    first = daemon.mission(2, 0.2, "", "--first")
+    assert len(daemon.result(first)["starts"]) == 2
+    assert len(daemon.result(normal)["starts"]) == 10
+    assert re.search(r"mission \S+ attached from \S+ \(prioritized\)",
+                     (daemon.tmp_path / "head.log").read_text())
 
 
 def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, tmp_path):
