@@ -6503,7 +6503,7 @@ class WaitGroup:
 
 
 class _Subtask:
-    value = None
+    value = error = None  # (a subtask that raised fails its waitgroup: no error here)
 
     async def run(self, afn, args, kwargs):
         self.value = await afn(*args, **kwargs)
