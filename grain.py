@@ -336,14 +336,18 @@ def parse_walltime(value, what="walltime"):
     raise ValueError(f"malformed {what} {value!r}: expected seconds or [d-]hh:mm:ss")
 
 
-def _check_count(value, what):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative whole number, got {value!r}")
+def _is_number(v, kinds=(int, float)):
+    return isinstance(v, kinds) and not isinstance(v, bool)
+
+
+def _check_count(value, what, least=0):
+    if not (_is_number(value, int) and value >= least):
+        raise ValueError(f"{what} must be a whole number >= {least}, got {value!r}")
     return value
 
 
 def _check_amount(value, what, unit=""):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+    if not (_is_number(value) and 0 <= value < math.inf):
         raise ValueError(f"{what} must be a non-negative finite number{unit}, got {value!r}")
     return value
 
@@ -3049,10 +3053,6 @@ def _want(test, expected, convert=None):
     return check
 
 
-def _is_number(v, kinds=(int, float)):
-    return isinstance(v, kinds) and not isinstance(v, bool)
-
-
 _want_str = _want(lambda v: isinstance(v, str), "a string")
 _want_count = _want(lambda v: _is_number(v, int) and v >= 0, "a whole number >= 0")
 # upstream's examples write queue = "''" for "the default queue"
@@ -3740,7 +3740,7 @@ def _memory_gb():
 def _tool_output(argv):
     """A GPU tool's output, or None when it is missing or fails."""
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+        cp = _query(argv)
     except (OSError, subprocess.SubprocessError):
         return None
     return cp.stdout if cp.returncode == 0 else None
@@ -6719,9 +6719,9 @@ def _capture(obj):
     if isinstance(obj, Delayed):
         return obj._snapshot()
     t = type(obj)
-    if t is tuple or t is list:
+    if t is tuple or t is list or t is set or t is frozenset:  # (as _substitute reads)
         return t([_capture(x) for x in obj]) if any(
-            isinstance(x, (Delayed, list, tuple, dict)) for x in obj) else obj
+            isinstance(x, (Delayed, list, tuple, set, frozenset, dict)) for x in obj) else obj
     if t is dict:
         return {k: _capture(v) for k, v in obj.items()}
     return obj
@@ -7013,9 +7013,7 @@ async def QueueLimiter(conc):
                 r_ += await ql(dfn)(i)   # waits for a free slot, not for the result
 
     The block ends when every job started through it has ended."""
-    if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
-        raise ValueError(f"QueueLimiter(conc) needs a whole number >= 1, got {conc!r}")
-    slots = trio.Semaphore(conc)
+    slots = trio.Semaphore(_check_count(conc, "QueueLimiter(conc)", 1))
 
     async def hold_slot(dfn, args, kwargs, task_status=TASK_STATUS_IGNORED):
         async with slots:
@@ -7100,7 +7098,10 @@ class WorkerProcess:
     those sent shortly before the loss, which the old head may never have read), and the
     jobs go on as that head's (see Reunion). Jobs known by a number (the old head's own)
     can be claimed by no new head: they are stopped at once. Without a head by the end,
-    it leaves."""
+    it leaves.
+
+    Its ``state``: "serving" a head; "alone" (its head lost, looking for another until
+    ``until``); "draining" (it leaves once its jobs end, because ``why``); "gone"."""
 
     def __init__(self, name, hello, context=None, reattach=0.0, max_frame=MAX_FRAME,
                  oversubscribe=False):
@@ -7115,10 +7116,9 @@ class WorkerProcess:
         self.functions = {}      # digest -> function (or the exception loading it raised)
         self.running = {}        # job id -> (CancelScope, allocation)
         self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
-        self.leave_after_jobs = None  # the reason to give when the last job ends
+        self.state, self.why, self.until = "serving", None, None
         self._nursery = None
         self._attending = None   # the cancel scope of serving (or looking for) a head
-        self.done = trio.Event()
 
     def send(self, msg):
         """To the head; while there is none, to the outbox. A result sent is remembered
@@ -7136,21 +7136,20 @@ class WorkerProcess:
         async with open_strict_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(watch_signals, self._signalled)
-            lost = await self._session(stream, res)
-            while lost and not self.done.is_set():
+            await self._session(stream, res)
+            while self.state == "alone":
                 stream = await self._look_for_head(reconnect)
                 if stream is not None:
-                    lost = await self._session(stream)
-                elif not self.done.is_set():
+                    self.state = "serving"
+                    await self._session(stream)
+                elif self.state == "alone":
                     why = f"no head came within {self.reattach:g} s (worker.reattach)"
                     log.warning("%s; leaving, stopping %d job(s)", why, len(self.running))
                     self.leave(why)
             nursery.cancel_scope.cancel()
 
     async def _session(self, stream, res=None):
-        """Register with the head at ``stream`` and serve it; True when it was lost without
-        a goodbye and this worker waits for another."""
-        lost = False
+        """Register with the head at ``stream`` and serve it, until it is gone or lost."""
         async with open_channel(stream, _peer_name(stream), max_frame=self.max_frame) \
                 as channel:
             hello = dict(self.hello)
@@ -7166,11 +7165,10 @@ class WorkerProcess:
             for msg in outbox:
                 self.send(msg)
             with trio.CancelScope() as self._attending:
-                lost = await self._receive(channel)
+                await self._receive(channel)
         self.channel = None
         if channel.silent:
-            lost = self._lost(f"silent for {SILENT_S:g} s")
-        return lost
+            self._lost(f"silent for {SILENT_S:g} s")
 
     async def _assigned(self, channel):
         """What a head that dialled this passive worker assigns it to offer."""
@@ -7190,17 +7188,16 @@ class WorkerProcess:
         except PeerError as e:
             log.warning("%s; leaving", e)
             self.leave("it could not understand the head")
-            return False
-        if self.leave_after_jobs is not None or self.done.is_set():
-            return False  # a FIN, then EOF, is a normal goodbye
-        return self._lost("connection closed")
+            return
+        if self.state == "serving":  # (draining: a FIN, then EOF, is a normal goodbye)
+            self._lost("connection closed")
 
     def _lost(self, how):
-        """The head went without a goodbye: wait for another (True), or leave."""
+        """The head went without a goodbye: wait for another (True: "alone"), or leave."""
         self.channel = None  # (what jobs send from now on waits in the outbox)
         if self.reattach <= 0:
             log.warning("lost the head (%s); leaving", how)
-            self.done.set()
+            self.state, self.why = "gone", f"lost the head ({how})"
             return False
         kept = sum(type(jid) is str for jid in self.running)
         for jid, (scope, _) in self.running.items():
@@ -7216,11 +7213,12 @@ class WorkerProcess:
         self.recent.clear()
         log.warning("lost the head (%s); keeping %d running job(s) and looking for a head "
                     "for %g s (worker.reattach)", how, kept, self.reattach)
+        self.state, self.why, self.until = "alone", how, trio.current_time() + self.reattach
         return True
 
     async def _look_for_head(self, reconnect):
         """A stream to a new head at our address; None when none came within reattach."""
-        with trio.move_on_after(self.reattach), trio.CancelScope() as self._attending:
+        with trio.move_on_at(self.until), trio.CancelScope() as self._attending:
             while any(type(jid) is not str for jid in self.running):
                 await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
             while True:
@@ -7270,8 +7268,8 @@ class WorkerProcess:
         if self.channel is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.channel.flush()
-        if self.leave_after_jobs and not self.running:
-            self.leave(self.leave_after_jobs)
+        if self.state == "draining" and not self.running:
+            self.leave(self.why)
 
     def _remember(self, msg):
         """Keep a result for RESEND_S, for a new head that may want it again (if its job
@@ -7284,7 +7282,7 @@ class WorkerProcess:
             self.recent.popleft()
 
     def _finish(self):
-        self.done.set()
+        self.state = "gone"
         # Not at once: a handler calls this from the receive loop, which flushes next; a
         # send cut short by a cancellation would lose what it was sending ("leaving").
         self._nursery.start_soon(self._stop_attending)
@@ -7309,14 +7307,14 @@ class WorkerProcess:
     def on_fin(self):
         log.info("the head said goodbye (its mission ended, or it was stopped); leaving "
                  "after %d running job(s)", len(self.running))
-        self.leave_after_jobs = "the head said goodbye"
+        self.state, self.why = "draining", "the head said goodbye"
         if not self.running:
             self._finish()
 
     def on_drain(self):
-        self.leave_after_jobs = "asked to quit"
+        self.state, self.why = "draining", "asked to quit"
         if not self.running:
-            self.leave(self.leave_after_jobs)
+            self.leave(self.why)
 
     def on_leave(self):
         self.leave("asked to quit now (-f)")
@@ -7330,7 +7328,7 @@ class WorkerProcess:
         self.leave("its walltime ended")
 
     def _signalled(self, name):
-        if not self.done.is_set():
+        if self.state != "gone":
             log.info("got %s; leaving", name)
             self.leave(f"got {name}")
 
@@ -7716,8 +7714,7 @@ class HeadDaemon(HeadCore):
                           "mission(s) detached"]}, self.stopped.set)
 
     def _scale(self, n):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"the number of workers must be a whole number >= 0, got {n!r}")
+        _check_count(n, "the number of workers")
         if self.swarm is None:
             raise ValueError("this head has no batch system to submit workers to: set system "
                              "= \"slurm\", \"pbs\" or \"custom\" in its grain.toml")
