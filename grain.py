@@ -5363,6 +5363,7 @@ class HeadCore:
                     self.retries.again(job, kind, error, self.tally):
                 job.state = "queued"
                 self.requeue(job)
+                self.pump()  # (a result a returning worker reported frees nothing else)
                 return
         self.complete(job, value, error, kind, pickled)
 

@@ -3402,6 +3402,25 @@ async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojum
 
 
 @trio_test
+async def test_a_failure_a_returning_worker_reported_is_retried_at_once(autojump_clock):
+    # A worker came back with a temporary failure of a job that waits in no queue (it was
+    # held): its retry is queued, and starts on the idle worker there and then. (It hung:
+    # a retry was queued without a look at the workers, issue 24's fault campaign.)
+    async def work():
+        return "ok"
+
+    async with grain.GrainExecutor(temporary_err=ConnectionResetError) as exer:
+        job = exer.submit(Cores(1), work)
+        assert exer.scheduler.withdraw(job)   # (as the reunion holds it)
+        exer.add_local_worker(Cores(1), "w")
+        exer.deliver(job, False, grain.pickled_failure(ConnectionResetError("once")), 1.0,
+                     "raised")
+        with trio.fail_after(1):
+            assert await job == "ok"
+        assert job.attempts == 2 and exer.retried_by_class == {grain.RETRY_TEMPORARY: 1}
+
+
+@trio_test
 async def test_held_jobs_run_again_and_unclaimed_ones_are_cancelled(autojump_clock):
     pushed = []
     reunion = grain.Reunion(None, clock=trio.current_time)
@@ -4608,34 +4627,32 @@ class InProcessDaemon:
                 done += (await ch.receive())[0] == "done"
 
 
-@trio_test
-async def test_the_daemon_serves_missions_round_robin_on_the_clock(autojump_clock):
+async def _two_missions_on_one_core(b_prioritized):
+    """Mission a's three jobs, then (once its first started) b's three, on one core, each
+    job 10 s: when each started, and whose it was."""
     async with trio.open_nursery() as nursery:
         d = InProcessDaemon(nursery)
         d.worker(cores=1, seconds=10)
         async with trio.open_nursery() as missions:
             missions.start_soon(d.mission, "a", 3)
             await d.one_started.wait()
-            missions.start_soon(d.mission, "b", 3)
+            missions.start_soon(d.mission, "b", 3, b_prioritized)
         nursery.cancel_scope.cancel()
-    # one job at a time, each 10 s, the two missions' jobs in turn from b's arrival on
-    assert [(t - d.started[0][0], m) for t, m, _ in d.started] == [
+    return [(t - d.started[0][0], m) for t, m, _ in d.started]
+
+
+@trio_test
+async def test_the_daemon_serves_missions_round_robin_on_the_clock(autojump_clock):
+    # from b's arrival on, the two missions' jobs in turn
+    assert await _two_missions_on_one_core(False) == [
         (0, "a"), (10, "b"), (20, "a"), (30, "b"), (40, "a"), (50, "b")]
 
 
 @trio_test
 async def test_a_prioritized_mission_goes_first_on_the_clock(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        d = InProcessDaemon(nursery)
-        d.worker(cores=1, seconds=10)
-        async with trio.open_nursery() as missions:
-            missions.start_soon(d.mission, "normal", 4)
-            await d.one_started.wait()
-            missions.start_soon(d.mission, "first", 2, True)
-        nursery.cancel_scope.cancel()
-    # the running job ends; then the prioritized mission's, all of them; then the rest
-    assert [m for _, m, _ in d.started] == ["normal", "first", "first", "normal", "normal",
-                                           "normal"]
+    # the running job ends; then all of the prioritized mission's; then the rest
+    assert await _two_missions_on_one_core(True) == [
+        (0, "a"), (10, "b"), (20, "b"), (30, "b"), (40, "a"), (50, "a")]
 
 
 @trio_test
