@@ -7457,7 +7457,7 @@ class SwarmKeeper:
         self.target = target
         self.quota_setting = quota
         self.window = window
-        self.submitted = deque()     # times of recent submissions
+        self.submitted = deque()     # times of recent submissions (trio's clock)
         self.pending = {}            # batch job id -> submission time, until it joins or ends
         self.note = ""               # why it is not at target, for `ls`
         self.changed = None          # set to look again at once (a worker left, `scale`)
@@ -7504,14 +7504,15 @@ class SwarmKeeper:
                 self.note = ""
 
     async def _submit_one(self, joined):
-        wait = self.quota_wait(time.time())
+        now = trio.current_time()  # (the quota's clock: steady, and a test's mock one)
+        wait = self.quota_wait(now)
         if wait > 0:
             self.note = (f"quota reached: {len(self.submitted)} submissions in the last "
                          f"{format_walltime(self.window)}; the next is allowed in "
                          f"{format_walltime(wait)}")
             return
         self.note = ""
-        self.submitted.append(time.time())
+        self.submitted.append(now)
         s, when = self.settings, time.time()
         try:
             batch_id = await trio.to_thread.run_sync(
@@ -7520,7 +7521,7 @@ class SwarmKeeper:
             self.note = f"the last submission failed: {e}"
             self.warn(f"swarm: {self.note}")
             return
-        self.pending[batch_id] = time.time()
+        self.pending[batch_id] = now
         log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
                  batch_id, joined, len(self.pending), self.target)
 

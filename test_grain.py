@@ -4589,6 +4589,8 @@ class InProcessDaemon:
         self.nursery = nursery
         self.started = []        # (time, mission, ref) of each job, as the worker got it
         self.one_started = trio.Event()
+        if nursery is not None:  # (its reunion: held jobs run when their hold ends)
+            self.daemon.start(nursery, self.daemon._push_held)
 
     def _peer(self, name):
         head_side, side = trio.testing.memory_stream_pair()
@@ -4653,6 +4655,39 @@ async def test_a_prioritized_mission_goes_first_on_the_clock(autojump_clock):
     # the running job ends; then all of the prioritized mission's; then the rest
     assert await _two_missions_on_one_core(True) == [
         (0, "a"), (10, "b"), (20, "b"), (30, "b"), (40, "a"), (50, "a")]
+
+
+@trio_test
+async def test_a_mission_hands_its_jobs_to_the_next_daemon_on_the_clock(autojump_clock):
+    # The daemon dies 5 s into a job of 60 s, its worker with it. The mission attaches to
+    # the next daemon, which holds the job REJOIN_WAIT_S for that worker, then runs it on
+    # its own worker: the result comes 5 + 10 + 60 s after the start.
+    daemons = []
+
+    async def attach():
+        return daemons[-1]._peer("mission")
+
+    async def daemon_life(task_status):
+        async with trio.open_nursery() as nursery:
+            daemons.append(InProcessDaemon(nursery))
+            daemons[-1].worker(cores=1, seconds=60)
+            task_status.started(nursery.cancel_scope)
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(daemon_life)
+        setup = grain.MissionSetup(attach=attach, info={"name": "m"})
+        async with grain.GrainExecutor(key=b"k" * 32, mission=setup) as exer:
+            t0 = trio.current_time()
+            job = exer.submit(Cores(1), _square, 3)
+            await trio.sleep(5)
+            await nursery.start(daemon_life)
+            first.cancel()
+            with trio.fail_after(1000):
+                assert await job is None     # (what the fake worker sends)
+            assert trio.current_time() - t0 == grain.REJOIN_WAIT_S + 65
+        assert [t - t0 for t, _, _ in daemons[1].started] == [grain.REJOIN_WAIT_S + 5]
+        nursery.cancel_scope.cancel()
 
 
 @trio_test
@@ -4751,6 +4786,30 @@ def test_the_swarm_quota_is_a_sliding_window():
         keeper.submitted.append(t)
     assert keeper.quota_wait(100) == 500      # full until the first leaves the window
     assert keeper.quota_wait(600) == 0 and len(keeper.submitted) == 3
+
+
+@trio_test
+async def test_the_swarm_keeps_to_its_quota_on_the_clock(autojump_clock, monkeypatch):
+    # Workers that die at start (their batch jobs end at once): no more submissions than
+    # the quota in any window, and more once the window has passed.
+    async def at_once(fn, *args):  # (a thread's wait would let the mock clock jump)
+        return fn(*args)
+
+    submitted = []
+    monkeypatch.setattr(trio.to_thread, "run_sync", at_once)
+    monkeypatch.setattr(grain, "submit_script", lambda *args: str(
+        submitted.append(trio.current_time()) or len(submitted)))
+    monkeypatch.setattr(grain, "batch_states", lambda system, ids, custom: dict.fromkeys(
+        ids, grain.ENDED))
+    s = grain.parse_config('[custom_system]\ntemplate = "#!/bin/sh\\n{main}"\n'
+                           'submit_cmd = "true"\n', "x.toml").role("worker")
+    keeper = grain.SwarmKeeper(s, target=2, quota=3, window=600.0)
+    with trio.move_on_after(1250):
+        await keeper.run(lambda: 0)
+    # to the target of two, the first's job ending at once: three in the first seconds;
+    # then none until the first leaves the window, and so on
+    assert [t - submitted[0] for t in submitted] == [0, 1, 2, 600, 601, 602, 1200, 1201, 1202]
+    assert keeper.note.startswith("quota reached: 3 submissions in the last 0:10:00")
 
 
 def test_missions_share_the_head_daemon_fairly_and_reuse_its_worker(daemon):
