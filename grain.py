@@ -3726,12 +3726,12 @@ def batch_cpu_ids(allowed):
 
 def _memory_gb():
     """This process's memory limit in GB: the cgroup limit if any, else MemTotal."""
-    for path, found in (("/sys/fs/cgroup/memory.max", r"^(\d+)$"),
-                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", r"^(\d+)$"),
-                        ("/proc/meminfo", r"^MemTotal:\s+(\d+) kB")):
+    for path, found, unit in (("/sys/fs/cgroup/memory.max", r"^(\d+)$", 1),
+                              ("/sys/fs/cgroup/memory/memory.limit_in_bytes", r"^(\d+)$", 1),
+                              ("/proc/meminfo", r"^MemTotal:\s+(\d+) kB", 1024)):
         with contextlib.suppress(OSError), open(path) as f:
             m = re.search(found, f.read().strip(), re.M)
-            limit = int(m.group(1)) * (1024 if "kB" in found else 1) if m else 1 << 60
+            limit = int(m.group(1)) * unit if m else 1 << 60
             if limit < 1 << 60:  # (no cgroup limit is "max", or a huge number)
                 return round(limit / 2 ** 30, 2)
     return 0.0
