@@ -247,6 +247,7 @@ BATCH_QUERY_S = 30.0      # seconds a query of the batch system (squeue, qstat) 
 SUBMIT_S = 60.0           # seconds a submission (sbatch, qsub) or cancellation may take
 HEAD_START_S = 20.0       # seconds a mission waits for the head daemon it started to answer
 HEAD_POLL_S = 0.005       # ... polling its socket this often
+ATTACH_TRIES = 3          # daemons a mission tries that close on it before answering
 SWARM_CHECK_S = 1.0       # seconds between comparisons of the swarm with its target
 SWARM_STATES_S = 5.0      # ... and between queries of the batch jobs not joined yet
 LOG_TAIL_LINES = 10       # lines of a job's log shown when it ended without joining
@@ -5703,10 +5704,11 @@ class MissionLink:
         self.info = dict(info, token=os.urandom(8).hex())
         self.open_ = False  # attaching or attached
         self.resumed = set()  # ids of the jobs the last daemon had
+        self.closed_on_us = 0  # daemons in a row that closed before answering
 
     def open(self, nursery):
         if not self.open_:
-            self.open_ = True
+            self.open_, self.nursery = True, nursery
             nursery.start_soon(self._run)
 
     async def _run(self):
@@ -5716,10 +5718,12 @@ class MissionLink:
             async with open_channel(stream, "the head daemon", max_frame=self.max_frame,
                                     silent_after=HANDSHAKE_TIMEOUT_S + SILENT_S) as channel:
                 channel.send(("mission", self.info))
-                reply = await channel.receive() or ("refused", "it closed the connection")
+                reply = await channel.receive()
+                if reply is None:  # killed, or quitting idle, as we came: try the next
+                    raise PeerError("it closed the connection before answering")
                 info = dispatch({"attached": dict, "refused": _refused}, reply, channel.peer)
                 channel.silent_after = None  # a busy daemon may be slow: its missions wait
-                link = HeadLink(self.owner, channel, info, self.resumed)
+                link, self.closed_on_us = HeadLink(self.owner, channel, info, self.resumed), 0
                 log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
                          link.host, link.log_file)
                 self.owner.add_worker(link)
@@ -5728,10 +5732,17 @@ class MissionLink:
                 raise GrainError("the head daemon did not answer this mission")
         except PeerError as e:
             why = f"was dropped ({e})"
+            if link is None:
+                self.closed_on_us += 1
+                if self.closed_on_us >= ATTACH_TRIES:
+                    self.owner.fail_queued(f"the head daemon for this mission: {e} "
+                                           f"({ATTACH_TRIES} times in a row)")
         except (GrainError, OSError) as e:
             self.owner.fail_queued(f"{e}")
         finally:
             self.open_ = False
+            if link is None and 0 < self.closed_on_us < ATTACH_TRIES:
+                self.open(self.nursery)
             if link is not None:
                 self.owner.remove_worker(link)
             if link is not None and not self.owner.closing and link.jobs:

@@ -4706,6 +4706,51 @@ async def test_an_idle_head_daemon_quits_on_the_clock(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def _mission_whose_daemons_close_on_it(closing):
+    """A mission's one job, when the first ``closing`` daemons it reaches close the
+    connection on its greeting (killed, or quitting idle, as it came) and the next one
+    serves it: the job's result or error, and how many daemons it reached."""
+    reached = []
+
+    async def closes_on_greeting(stream):
+        async with grain.open_channel(stream, "the mission") as ch:
+            assert (await ch.receive())[0] == "mission"
+
+    async def attach():
+        reached.append(len(reached))
+        if len(reached) <= closing:
+            daemon_side, mission_side = trio.testing.memory_stream_pair()
+            nursery.start_soon(closes_on_greeting, daemon_side)
+            return mission_side
+        return d._peer("mission")
+
+    async with trio.open_nursery() as nursery:
+        d = InProcessDaemon(nursery)
+        d.worker(cores=1, seconds=5)
+        setup = grain.MissionSetup(attach=attach, info={"name": "m"})
+        async with grain.GrainExecutor(key=b"k" * 32, mission=setup) as exer:
+            job = exer.submit(Cores(1), _square, 3)
+            with trio.fail_after(100):
+                try:
+                    outcome = await job
+                except grain.GrainError as e:
+                    outcome = e
+        nursery.cancel_scope.cancel()
+    return outcome, len(reached)
+
+
+@trio_test
+async def test_a_daemon_that_closes_before_answering_a_mission_is_passed_over(autojump_clock):
+    # (the fault campaign, seed 26: the daemon killed as its mission attached; the
+    # mission's jobs all failed with "it closed the connection")
+    assert await _mission_whose_daemons_close_on_it(grain.ATTACH_TRIES - 1) == \
+        (None, grain.ATTACH_TRIES)    # (None: what the fake worker sends)
+    error, reached = await _mission_whose_daemons_close_on_it(grain.ATTACH_TRIES)
+    assert reached == grain.ATTACH_TRIES
+    assert str(error) == ("the head daemon for this mission: it closed the connection "
+                          f"before answering ({grain.ATTACH_TRIES} times in a row)")
+
+
 @trio_test
 async def test_a_worker_without_a_head_leaves_when_its_grace_ends_on_the_clock(autojump_clock):
     head_side, worker_side = trio.testing.memory_stream_pair()

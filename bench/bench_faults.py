@@ -279,14 +279,14 @@ class Scenario:
         self.log(f"mission run {self.attempt} pid {self.mission.pid}")
 
     def failed_cleanly(self):
-        """Did the mission's run end with one clear error (a grain error's one line, a
-        short traceback that ends in the user's call), as the promise allows?"""
+        """Did the mission's run end with one clear error (a grain error's one line, raised
+        where the user's main awaited a job), as the promise allows?"""
         self.mission_log.flush()
         with open(self.mission_log.name) as f:
             text = f.read().rsplit("Traceback (most recent call last)", 1)
         last = text[-1].strip().splitlines()
         ok = len(text) > 1 and last and last[-1].startswith("grain.") and \
-            text[-1].count('File "') <= 3
+            f'File "{self.script}", line' in text[-1]
         self.log(f"mission run {self.attempt} failed: {last[-1] if last else '?'}"
                  f"{'' if ok else ' (not cleanly)'}")
         return ok
