@@ -176,15 +176,9 @@ dill = _ImportOnFirstUse("dill")
 sqlite3 = _ImportOnFirstUse("sqlite3")  # only a mission with a results store needs it
 
 
-class _IgnoredTaskStatus:
-    """trio.TASK_STATUS_IGNORED without importing trio: the default ``task_status`` of a
-    service that may also be called other than through ``nursery.start()``."""
-
-    def started(self, value=None):
-        pass
-
-
-TASK_STATUS_IGNORED = _IgnoredTaskStatus()
+# trio.TASK_STATUS_IGNORED without importing trio: the default ``task_status`` of a
+# service that may also be called other than through ``nursery.start()``.
+TASK_STATUS_IGNORED = types.SimpleNamespace(started=lambda value=None: None)
 
 
 def trio_run(async_fn, *args):
@@ -679,9 +673,11 @@ class Resource:
     def _stat(self):
         return (0, 0)
 
+    _REFUSAL = "{self!r} cannot allocate {res!r}"
+
     def _refusal(self, res):
         """Why this provider cannot allocate ``res`` (alloc's error message)."""
-        return f"{self!r} cannot allocate {res!r}"
+        return self._REFUSAL.format(self=self, res=res)
 
     def _claim(self, res):
         """Take out an allocation made before (by this provider, in an earlier life)."""
@@ -1001,8 +997,8 @@ class Cores(Resource):
     0-2. ``Cores([6, 7, 9])`` names the ids (what a worker holds and a job is given). ``.c``
     is the list of ids, ``.N`` how many. A request counts cores; it never names them."""
 
-    kind = "Cores"
     _ARGS = ("N",)
+    _REFUSAL = "{self!r} cannot allocate {res.N} core(s)"
     # _ids: a plain sorted list (bisect is fastest on one), or None for the ids 0..N-1 of
     # Cores(N) until they are needed: a request (one per job) never needs them.
     __slots__ = ("N", "_ids", "_total", "_counted")
@@ -1062,9 +1058,6 @@ class Cores(Resource):
         ids, taken = self._id_list(), set(res._id_list())
         ids[:] = [i for i in ids if i not in taken]
         self.N = len(ids)
-
-    def _refusal(self, res):
-        return f"{self!r} cannot allocate {res.N} core(s)"
 
     def _repr(self):
         return f"CPU_Cores([{_fmt_ids(self._id_list())}])"
@@ -1136,7 +1129,6 @@ class Memory(_Quantity):
     """Memory in GB: ``Memory(8)``. ``.m`` is the amount now (free on a provider, held by an
     allocation), ``.M`` the total."""
 
-    kind = "Memory"
     _ARGS = ("M",)
     _UNIT = "GB"
     __slots__ = ()
@@ -1152,8 +1144,8 @@ class Capacity(_Quantity):
     ``.V`` in all. ``ONE_INSTANCE`` (``Capacity(-1)``, shown ``ONE``) takes one unit: on a
     worker with ``Capacity(1)`` one such job runs at a time."""
 
-    kind = "Capacity"
     _ARGS = ("V",)
+    _REFUSAL = "{self!r} has no capacity for {res!r}"
     __slots__ = ()
     v = property(lambda self: self._q)
     V = property(lambda self: self._total)
@@ -1167,12 +1159,6 @@ class Capacity(_Quantity):
     def _need(self):
         return 1 if self._total == -1 else self._q
 
-    def _held(self):
-        return Capacity(-1 if self._total == -1 else self._q)
-
-    def _refusal(self, res):
-        return f"{self!r} has no capacity for {res!r}"
-
     def _repr(self):
         return "ONE" if self._total == -1 else super()._repr()
 
@@ -1181,8 +1167,8 @@ class Token(Resource):
     """A tag: a job with ``Token("gpu")`` runs only on a worker holding exactly that token.
     Tokens are not used up; a worker with a token still runs jobs without one."""
 
-    kind = "Token"
     _ARGS = ("token",)
+    _REFUSAL = "{self!r} does not match {res!r}"
     __slots__ = ("token",)
 
     def __init__(self, token):
@@ -1198,9 +1184,6 @@ class Token(Resource):
 
     def _dealloc(self, res):
         pass
-
-    def _refusal(self, res):
-        return f"{self!r} does not match {res!r}"
 
     def _repr(self):
         return f"Token({self.token})"
@@ -1234,7 +1217,6 @@ class Gpus(Resource):
     close to each device (``near``: its NUMA node's); a job that asks for cores and GPUs
     gets its cores there. ``vendor`` says which variable names the devices (nvidia, amd)."""
 
-    kind = "Gpus"
     _ARGS = ("N", "vendor", "near")
     __slots__ = ("N", "ids", "share", "vendor", "near", "_free")
 
@@ -1295,10 +1277,7 @@ class Gpus(Resource):
 
     def cpus_near(self, alloc):
         """The core ids close to the devices of ``alloc`` (empty when unknown)."""
-        near = set()
-        for dev in alloc.ids:
-            near.update(self.near.get(dev, ()))
-        return near
+        return set().union(*(self.near.get(dev, ()) for dev in alloc.ids))
 
     def _repr(self):
         if self.ids is None and self._free is None:
@@ -1377,8 +1356,8 @@ class WTime(Resource):
     ``WTime(T=..., countdown=True)`` is the time it has left, counting down from its
     construction. T and softT are seconds or ``[d-]hh:mm:ss``; ``WTime()`` is unlimited."""
 
-    kind = "WTime"
     _ARGS = ("T", "softT", "group", "countdown")
+    _REFUSAL = "{self!r} cannot allocate {res!r} (not enough time left)"
     __slots__ = ("T", "softT", "group", "countdown", "_since", "_groups")
 
     def __init__(self, T=None, softT=None, group=None, countdown=False):
@@ -1407,37 +1386,30 @@ class WTime(Resource):
             return self.T
         return max(0.0, self.T - _elapsed(self._since))
 
-    def _estimate(self, res):
-        """(T, softT) learnt for the group of ``res``, if it has one and no T of its own."""
-        if res.group is None or res.T is not None or self._groups is None:
-            return None
-        return self._groups.limits.get(res.group)
+    def _limits(self, res):
+        """(T, softT) of ``res``: its own, or those learnt for its group (a group request
+        without a T of its own); None while they are not known."""
+        if res.group is None or res.T is not None:
+            return res.T, res.softT
+        return None if self._groups is None else self._groups.limits.get(res.group)
 
     def _request(self, res):
-        soft = res.softT
-        if res.group is not None and res.T is None:
-            est = self._estimate(res)
-            soft = est[1] if est else None
-        return soft is None or soft <= self.remaining()
+        limits = self._limits(res)
+        return limits is None or limits[1] is None or limits[1] <= self.remaining()
 
     def _alloc(self, res):
-        if res.group is not None and res.T is None:
-            est = self._estimate(res)
-            if est is not None:
-                return WTime(est[0], est[1], res.group)
+        limits = self._limits(res)
+        if limits is None:
             run = WTime(group=res.group)
             run._since = _timestamp()  # timed until it comes back (dealloc)
             return run
-        return WTime(res.T, res.softT, res.group)
+        return WTime(*limits, res.group)
 
     def _dealloc(self, res):
         if res.group is not None and res._since is not None and not res.countdown:
             if self._groups is None:
                 self._groups = _GroupTimes()
             self._groups.record(res.group, _elapsed(res._since))
-
-    def _refusal(self, res):
-        return f"{self!r} cannot allocate {res!r} (not enough time left)"
 
     def _repr(self):
         if self.group is not None and self.T is None:
@@ -1451,16 +1423,11 @@ class WTime(Resource):
         return (self.remaining(), self.T if self.T is not None else math.inf)
 
     def _args(self):
-        d = {}
-        if self.T is not None:
-            d["T"] = format_walltime(self.remaining() if self.countdown else self.T)
-        if self.softT is not None and self.softT != self.T:
-            d["softT"] = format_walltime(self.softT)
-        if self.group is not None:
-            d["group"] = self.group
-        if self.countdown:
-            d["countdown"] = True
-        return d
+        d = {"T": None if self.T is None else
+             format_walltime(self.remaining() if self.countdown else self.T),
+             "softT": None if self.softT in (None, self.T) else format_walltime(self.softT),
+             "group": self.group, "countdown": self.countdown or None}
+        return {k: v for k, v in d.items() if v is not None}
 
     def _key(self):
         return (self.T, self.softT, self.group, self.countdown)
@@ -2130,62 +2097,50 @@ def _ipv4_addresses():
     try:
         import fcntl
 
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for _, name in socket.if_nameindex():
-                try:
+                with contextlib.suppress(OSError):
                     packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
                                          struct.pack("256s", name[:15].encode()))
                     out[name] = socket.inet_ntoa(packed[20:24])
-                except OSError:
-                    pass
-        finally:
-            s.close()
     except Exception:  # pragma: no cover - not Linux
         pass
-    if not out:
-        out["lo"] = "127.0.0.1"
-    return out
+    return out or {"lo": "127.0.0.1"}
 
 
 async def open_listeners(url):
     """Listeners for a tcp:// or unix:// URL, and the URLs peers can use to reach them
     (GrainError naming the URL when it cannot be listened on)."""
+    scheme, host, where = parse_url(url)
     try:
-        return await _open_listeners(url)
+        if scheme == "tcp":
+            listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
+            port = listeners[0].socket.getsockname()[1]
+            if host and host != "0.0.0.0":
+                return listeners, {"tcp": f"tcp://{host}:{port}"}
+            return listeners, {iface: f"tcp://{ip}:{port}"
+                               for iface, ip in _ipv4_addresses().items()}
+        if scheme == "unix":
+            return [await _unix_listener(where)], {"unix": url}
     except OSError as e:
         why = {errno.EADDRINUSE: "another process listens there already",
                errno.EADDRNOTAVAIL: "no interface of this machine has that address",
                errno.ENOENT: "its directory does not exist"}.get(
                    e.errno, e.strerror or str(e))
         raise ListenError(f"cannot listen at {url}: {why}") from None
-
-
-async def _open_listeners(url):
-    scheme, host, where = parse_url(url)
-    if scheme == "tcp":
-        listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
-        port = listeners[0].socket.getsockname()[1]
-        if host and host != "0.0.0.0":
-            return listeners, {"tcp": f"tcp://{host}:{port}"}
-        return listeners, {iface: f"tcp://{ip}:{port}" for iface, ip in _ipv4_addresses().items()}
-    if scheme == "unix":
-        return [await _unix_listener(where)], {"unix": url}
     raise ValueError(f"cannot listen on {url!r} directly")
 
 
 async def _unix_listener(path):
     """A Unix socket listener at ``path``; a stale socket file (no one listening) is removed."""
     if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # left by a process that died: nobody answers
-        else:
-            raise GrainError(f"another process already listens on unix://{path}")
-        finally:
-            probe.close()
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # left by a process that died: nobody answers
+            else:
+                raise GrainError(f"another process already listens on unix://{path}")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)  # the socket file is ours alone
     try:
@@ -2287,20 +2242,15 @@ def _order_urls(record):
                                        not u.startswith("tcp://127.")))
 
 
-def _edge_socket_path(edge_path, tag):
-    """A Unix socket path beside the Edge file; falls back to /tmp when too long."""
-    path = f"{edge_path}.{tag}.sock"
-    if len(path.encode()) > 100:
-        import tempfile
-
-        path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
-    return path
-
-
 async def _edge_listeners(edge_path, tag):
     """Where one side of an Edge rendezvous listens: a free TCP port and a Unix socket
-    beside the file (``tag`` names it); ``(listeners, {interface: url}, socket path)``."""
-    sock_path = _edge_socket_path(edge_path, tag)
+    beside the file (``tag`` names it; in /tmp when that path is too long for a socket);
+    ``(listeners, {interface: url}, socket path)``."""
+    sock_path = f"{edge_path}.{tag}.sock"
+    if len(sock_path.encode()) > 100:
+        import tempfile
+
+        sock_path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
     tcp, urls = await open_listeners("tcp://:0")
     urls["unix"] = f"unix://{sock_path}"
     return tcp + [await _unix_listener(sock_path)], urls, sock_path
@@ -2354,12 +2304,11 @@ async def accept_one(listeners, key):
     async def accept_from(listener):
         while True:
             stream = await listener.accept()
-            if not await _admitted(stream, key):
-                continue
-            try:
-                send.send_nowait(stream)
-            except trio.WouldBlock:
-                await stream.aclose()
+            if await _admitted(stream, key):
+                try:
+                    send.send_nowait(stream)
+                except trio.WouldBlock:
+                    await stream.aclose()
 
     try:
         async with open_strict_nursery() as nursery:
@@ -2386,8 +2335,7 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
 
     scheme, _, where = parse_url(url)
     if scheme == "edge":
-        await _serve_edge(where, key, on_accept, handler, task_status)
-        return
+        return await _serve_edge(where, key, on_accept, handler, task_status)
     listeners, urls = await open_listeners(url)
     try:
         async with open_strict_nursery() as nursery:
@@ -2510,7 +2458,7 @@ async def _wait_to_be_called(edge, seen, key):
 class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
-    def __init__(self, stream, max_frame=MAX_FRAME, peer="?"):
+    def __init__(self, stream, max_frame=MAX_FRAME, peer="?", silent_after=None):
         self.stream = stream
         self.peer = peer
         self._frames = FrameStream(stream, max_frame=max_frame)
@@ -2520,15 +2468,14 @@ class Channel:
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
         self.last_heard = trio.current_time()
-        self.silent_after = None      # seconds of silence open_channel's watchdog allows
+        self.silent_after = silent_after  # seconds of silence open_channel's watchdog allows
         self.silent = False           # set when the watchdog gave up on the peer
 
     def send(self, msg):
         """Queue a control message; the writer task sends it with whatever else is queued."""
         if not self._closed:
             payload = dumps_control(msg)
-            self._out.append(FRAME_HEADER.pack(len(payload)))
-            self._out.append(payload)
+            self._out += (FRAME_HEADER.pack(len(payload)), payload)
             self._wakeup.set()
 
     async def run_writer(self):
@@ -2563,12 +2510,10 @@ class Channel:
                 self._wakeup.set()  # let the writer see that the last bytes are out
 
     @property
-    def has_pending_output(self):
-        return bool(self._out)
-
-    @property
-    def has_buffered_input(self):
-        return bool(self._frames._ready)
+    def flush_due(self):
+        """Is output queued while no input waits to be read? (Then nothing that input
+        could add is to go out with it: send it now.)"""
+        return bool(self._out) and not self._frames._ready
 
     async def receive(self):
         """The next message, or None when the peer closed the connection."""
@@ -2622,8 +2567,7 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
     seconds (None: no limit; the block may change it) the block is cancelled and
     ``channel.silent`` set. On the way out, what was queued goes out (FLUSH_S at most)
     and the stream is closed. An exception of the block comes out as itself."""
-    channel = Channel(stream, max_frame, peer)
-    channel.silent_after = silent_after
+    channel = Channel(stream, max_frame, peer, silent_after)
     try:
         async with open_background_nursery() as nursery:
             nursery.start_soon(channel.run_writer)
@@ -2843,15 +2787,6 @@ def _subproc_child_main(result_fd):
         out.write(encode_frame(payload))
 
 
-class _PoolProcess:
-    """One pool process and its two pipes."""
-
-    def __init__(self, process, frames):
-        self.process = process
-        self.frames = frames
-        self.idle_since = 0.0
-
-
 async def _stop_process(process, grace=KILL_GRACE_S):
     """SIGTERM to its process group, a grace period, SIGKILL to the group; always reaped.
     Shielded: runs even when cancelled. (The group outlives its leader: it is signalled
@@ -2874,12 +2809,11 @@ class SubprocessPool:
     """Processes for @subprocify calls, at most ``limit`` at once (default: the cores this
     process may use)."""
 
-    def __init__(self, nursery, limit=None, idle_s=SUBPROC_IDLE_S):
+    def __init__(self, nursery, limit=None):
         self.limit = limit or len(_allowed_cores())  # (``nursery``: upstream's signature)
-        self._idle = []  # _PoolProcess, most recently used last
-        self._all = set()
+        self._idle = []  # pool processes (see _spawn), most recently used last
+        self._all = set()  # the processes, idle or busy
         self._slots = trio.Semaphore(self.limit)
-        self.idle_s = idle_s
 
     async def _spawn(self):
         r, w = os.pipe()
@@ -2890,12 +2824,12 @@ class SubprocessPool:
         finally:
             os.close(w)
         frames = FrameStream(process.stdin, trio.lowlevel.FdStream(r))
-        child = _PoolProcess(process, frames)
-        self._all.add(child)
+        child = types.SimpleNamespace(process=process, frames=frames, idle_since=0.0)
+        self._all.add(process)
         try:
             await frames.send(pickle.dumps(sys.path))
         except BaseException:  # (cancelled: not to be left running, nobody's)
-            self._all.discard(child)
+            self._all.discard(child.process)
             await _stop_process(child.process)
             raise
         return child
@@ -2906,18 +2840,17 @@ class SubprocessPool:
         payload = dill_dumps((fn, args, kwargs, res, instance, cores, timeout))
         async with self._slots:
             child = self._idle.pop() if self._idle else None
-            ok = False
+            frame = None
             try:
                 if child is None:
                     child = await self._spawn()
                 await child.frames.send(payload)
                 frame = await child.frames.receive()
-                ok = frame is not None
             except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
-                frame = None
+                pass
             finally:
-                if not ok and child is not None:  # died, or we were cancelled: it is spent
-                    self._all.discard(child)
+                if frame is None and child is not None:  # died, or cancelled: it is spent
+                    self._all.discard(child.process)
                     await _stop_process(child.process)
             if child is None:
                 raise BrokenSubprocessError(f"a pool process for {_callable_name(fn)} ended "
@@ -2939,29 +2872,28 @@ class SubprocessPool:
 
     def statistics(self):
         """PoolStatistics: the pids of its processes, how many are idle, the limit."""
-        return PoolStatistics(sorted(c.process.pid for c in self._all), len(self._idle),
+        return PoolStatistics(sorted(p.pid for p in self._all), len(self._idle),
                               self.limit)
 
     async def _reap_idle(self):
         while True:
-            await trio.sleep(min(self.idle_s, SUBPROC_REAP_S))
-            cutoff = trio.current_time() - self.idle_s
-            keep = [c for c in self._idle if c.idle_since > cutoff]
+            await trio.sleep(min(SUBPROC_IDLE_S, SUBPROC_REAP_S))
+            cutoff = trio.current_time() - SUBPROC_IDLE_S
             old = [c for c in self._idle if c.idle_since <= cutoff]
-            self._idle[:] = keep
+            self._idle[:] = [c for c in self._idle if c.idle_since > cutoff]
             for child in old:
                 await _stop_process(child.process)
-                self._all.discard(child)  # (after: statistics() shows it until it is gone)
+                self._all.discard(child.process)  # (after: statistics() shows it until it is gone)
 
     async def aclose(self):
-        children, self._all, self._idle = list(self._all), set(), []
+        processes, self._all, self._idle = list(self._all), set(), []
         with trio.CancelScope(shield=True):
-            for child in children:
+            for process in processes:
                 # Closing stdin ends an idle child at once; a busy one gets SIGTERM.
                 with contextlib.suppress(Exception):
-                    await child.process.stdin.aclose()
-            for child in children:
-                await _stop_process(child.process)
+                    await process.stdin.aclose()
+            for process in processes:
+                await _stop_process(process)
 
 
 PoolStatistics = namedtuple("PoolStatistics", "pids idle limit")
@@ -3225,11 +3157,9 @@ class Config:
         s = RoleSettings(role=role, **values)
         address = s.address or default_address()
         dial = s.dial or address
-        s = replace(s, address=address, listen=s.listen or address, dial=dial,
-                    cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path())
-        if not s.script.python:
-            s = replace(s, script=replace(s.script, python=sys.executable))
-        return s
+        return replace(s, address=address, listen=s.listen or address, dial=dial,
+                       cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path(),
+                       script=replace(s.script, python=s.script.python or sys.executable))
 
 
 def _check_table(data, table, path):
@@ -3351,9 +3281,8 @@ def _pbs_state(job_id):
     m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
     if cp.returncode != 0 or not m:
         return UNKNOWN
-    state = m.group(1)
-    return ENDED if state in ("C", "F") else {"Q": "PENDING", "R": "RUNNING",
-                                              "H": "HELD"}.get(state, state)
+    return {"C": ENDED, "F": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(
+        m.group(1), m.group(1))
 
 
 def _query(argv):
@@ -3538,15 +3467,13 @@ def worker_command(s, grain_path=None):
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def _template_fields(s, name, log_file, setup, cleanup, directive):
+def _template_fields(s, name, log_file, setup, cleanup):
     """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...)."""
     script = types.SimpleNamespace(
-        **{f: getattr(s.script, f) for f in ScriptSettings.__dataclass_fields__},
-        extra_args_str="\n".join(f"{directive} {a}" for a in s.script.extra_args),
-        setup="\n".join(setup), cleanup="\n".join(cleanup),
+        **vars(s.script), setup="\n".join(setup), cleanup="\n".join(cleanup),
+        extra_args_str="\n".join(f"{s.custom_system.directive} {a}" for a in s.script.extra_args),
         res_str=json.dumps(worker_resources(s)))
-    fields = {f: getattr(s, f) for f in RoleSettings.__dataclass_fields__}
-    return types.SimpleNamespace(**dict(fields, name=name, log_file=log_file, script=script))
+    return types.SimpleNamespace(**dict(vars(s), name=name, log_file=log_file, script=script))
 
 
 def render_script(s, main, when=None, seq=0):
@@ -3568,10 +3495,8 @@ def render_script(s, main, when=None, seq=0):
         return _render_template(s, body, name, log_file, setup, cleanup, when, seq)
     if spec is None:  # no batch system: the script alone, to read (`up --dry`)
         return f"{s.script.shebang}\n{body}\n"
-    d = spec["directive"]
-    lines = [s.script.shebang]
-    lines += [f"{d} {x}" for x in spec["lines"](s.script, name, log_file)]
-    lines += [f"{d} {x}" for x in s.script.extra_args]
+    lines = [s.script.shebang] + [f"{spec['directive']} {x}" for x in [
+        *spec["lines"](s.script, name, log_file), *s.script.extra_args]]
     if spec["prologue"]:
         lines.append(spec["prologue"])
     return "\n".join(lines + [body]) + "\n"
@@ -3584,13 +3509,12 @@ def _render_template(s, body, name, log_file, setup, cleanup, when, seq):
     template = _stamp(c.template, when, seq)
     # upstream's {{MAIN}}: our body, its braces escaped for the format below
     template = template.replace("{{MAIN}}", body.replace("{", "{{").replace("}", "}}"))
-    directives = [f"{c.directive} {a}" for a in s.script.extra_args]
     try:
+        fields = _template_fields(s, name, log_file, setup, cleanup)
         return template.format(
             name=name, queue=s.script.queue, cores=s.script.cores, gpus=s.script.gpus,
-            memory=s.script.memory,
-            walltime=s.script.walltime, log_file=log_file, directives="\n".join(directives),
-            main=body, c=_template_fields(s, name, log_file, setup, cleanup, c.directive))
+            memory=s.script.memory, walltime=s.script.walltime, log_file=log_file,
+            directives=fields.script.extra_args_str, main=body, c=fields)
     except (KeyError, AttributeError, IndexError, ValueError) as e:
         raise ConfigError(f"custom_system.template: cannot fill it in: "
                           f"{type(e).__name__}: {e}") from None
@@ -3656,13 +3580,12 @@ def _run_command(argv, what, hint, timeout=None):
 
 def _submit_argv(s):
     """The command that submits a job script of settings ``s``."""
-    c = s.custom_system
-    if c.template and c.submit_cmd:  # upstream: a template of one's own, and its command
-        return shlex.split(c.submit_cmd)
-    if s.system not in SYSTEMS:
+    c = s.custom_system  # upstream: a template of one's own, and its command, stand in
+    system = "custom" if c.template and c.submit_cmd else s.system
+    if system not in SYSTEMS:
         raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
                           "\"custom\" in grain.toml")
-    return SYSTEMS[s.system]["submit"](s)
+    return SYSTEMS[system]["submit"](s)
 
 
 def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
@@ -3753,26 +3676,18 @@ def _nvidia_devices():
     listing = _tool_output(["nvidia-smi", "-L"])
     if listing is None:
         return [], {}
-    buses = {}
-    for line in (_tool_output(["nvidia-smi", "--query-gpu=index,pci.bus_id",
-                               "--format=csv,noheader"]) or "").splitlines():
-        index, _, bus = line.partition(",")
-        buses[index.strip()] = bus.strip()
-    ids, where, gpu = [], {}, None
+    buses = dict(re.findall(r"^\s*(\d+)\s*,\s*(\S+)", _tool_output(
+        ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]) or "", re.M))
+    instances, gpu = {}, None  # {GPU index: its MIG instances}
     for line in listing.splitlines():
-        m = re.match(r"GPU (\d+):", line.strip())
-        if m:
+        if m := re.match(r"GPU (\d+):", line.strip()):
             gpu = m.group(1)
-            ids.append(gpu)
-            where[gpu] = buses.get(gpu)
-            continue
-        m = re.search(r"\bMIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
-        if m and gpu is not None:
-            if gpu in ids:  # partitioned: its instances are the devices
-                ids.remove(gpu)
-            ids.append(m.group(1))
-            where[m.group(1)] = buses.get(gpu)
-    return ids, where
+            instances[gpu] = []
+        elif (m := re.search(r"\bMIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)) and gpu is not None:
+            instances[gpu].append(m.group(1))
+    # a partitioned GPU's instances are the devices
+    where = {d: buses.get(gpu) for gpu, mig in instances.items() for d in mig or [gpu]}
+    return list(where), where
 
 
 def _amd_devices():
@@ -4176,8 +4091,7 @@ class ResultStore:
             try:
                 fd = os.open(self.holder, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
-                if not self._stale_holder():
-                    raise
+                self._stale_holder()
                 self.crashed = True
                 continue  # the holder died: its file was removed; take it
             except OSError as e:
@@ -4196,17 +4110,15 @@ class ResultStore:
                 who = json.load(f)
             age = time.time() - os.stat(self.holder).st_mtime
         except (OSError, ValueError):
-            return True
-        same_host = who.get("host") == hostname()
-        dead = (same_host and not _pid_lives(who.get("pid"))) or \
-            (not same_host and age > STORE_STALE_S)
+            return
+        dead = (not _pid_lives(who.get("pid")) if who.get("host") == hostname()
+                else age > STORE_STALE_S)
         if not dead:
             raise GrainError(
                 f"results store {self.path} is in use by the mission pid {who.get('pid')} "
                 f"on {who.get('host')} (since {time.ctime(who.get('since', 0))}); one "
                 "mission writes a store at a time")
         _unlink_quietly(self.holder)
-        return True
 
     def beat(self):
         """Say the holder is alive (a mission on another host tells a stale file by age)."""
@@ -4355,14 +4267,11 @@ class ResultStore:
             self._drop_replaced()
         names = [n for (n,) in self._db.execute("SELECT DISTINCT function FROM results_log")
                  if fnmatch.fnmatchcase(n, pattern)]
-        dropped = 0
         with self._db:
             self._db.execute("BEGIN")
-            for name in names:
-                cur = self._db.execute("DELETE FROM results_log WHERE function = ? AND "
-                                   "(? IS NULL OR state = ?)", (name, state, state))
-                dropped += cur.rowcount
-        return dropped
+            return sum(self._db.execute("DELETE FROM results_log WHERE function = ? AND (? IS "
+                                        "NULL OR state = ?)", (name, state, state)).rowcount
+                       for name in names)
 
 
 class MissionResults:
@@ -4391,8 +4300,7 @@ class MissionResults:
         no entry yet, though its worker may still run it."""
         fn = job.fn
         try:
-            digest = self._functions.get(fn) or self._function(fn)
-            key = job_key(digest[0], job.args, job.kwargs, job.req)
+            key = job_key(self._function(fn)[0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(fn)
             if name not in self._unkeyable:
@@ -4434,9 +4342,8 @@ class MissionResults:
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
-        if self._sent:  # (jobs in worker processes only)
-            self._sent.pop(job.wire, None)
-        name = (self._functions.get(job.fn) or self._function(job.fn))[1]
+        self._sent.pop(job.wire, None)  # (jobs in worker processes only)
+        name = self._function(job.fn)[1]
         self.store.record(job.wire, name, "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
@@ -4615,9 +4522,7 @@ class RemoteWorker(Worker):
         self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
         self.known_functions = set()
 
-    @property
-    def where(self):
-        return f"pid {self.pid} on {self.host}"
+    where = property(lambda self: f"pid {self.pid} on {self.host}")
 
     def _send_function(self, fn, named=False):
         """Send ``fn`` (``named``: with its name) unless the peer has it already; returns
@@ -4774,13 +4679,9 @@ def _size_key(res):
 def _same_request(a, b):
     """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
     it for many queued jobs."""
-    if a is b:
-        return True
     if type(a) is not type(b):
         return False
-    if type(a) is Cores:
-        return a.N == b.N
-    return a == b
+    return a is b or (a.N == b.N if type(a) is Cores else a == b)
 
 
 SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
@@ -4862,11 +4763,8 @@ class Scheduler:
     def claim(self, wire):
         """The job ``wire`` taken out of the queue it waits in (a worker came back running
         it, or with its result), or None. A scan: this happens when a worker comes back."""
-        for queue in self.queues:
-            for job in queue.jobs:
-                if job.wire == wire:
-                    return job if self.withdraw(job) else None
-        return None
+        job = next((j for queue in self.queues for j in queue.jobs if j.wire == wire), None)
+        return job if job is not None and self.withdraw(job) else None
 
     def withdraw(self, job):
         """Take ``job`` out of its queue (a worker came back running it); False when it
@@ -4918,15 +4816,13 @@ class Scheduler:
                 self._start_from(queues[0], -1)
             return
         while self.n_queued:
-            started = False
             for tier in (True, False):
-                for q in queues:
-                    if q.jobs and q.prioritized is tier and self._start_from(q, 1):
-                        started = True
-                if started:
+                # (a list: every queue of the tier starts one before any() looks)
+                if any([self._start_from(q, 1) for q in queues
+                        if q.jobs and q.prioritized is tier]):
                     break  # back to the prioritized tier: what started may have freed nothing
-            if not started:
-                break
+            else:
+                break  # nothing started
         queues.append(queues.pop(0))
 
     def _start_from(self, queue, limit):
@@ -5014,25 +4910,20 @@ class Scheduler:
         failed = [head_req]
         started = 0
         while i < stop and started != limit:
-            job = jobs[i]
-            req = job.req
-            for f in failed:
-                if _same_request(req, f):
-                    break
-            else:
-                for w in self.workers:
-                    if w.accepting and w.reserved_for is None and w.res.request(req):
-                        del jobs[i]
-                        stop -= 1
-                        self.n_queued -= 1
-                        self.launch(job, w)
-                        started += 1
-                        break
-                else:
-                    failed.append(req)
-                    i += 1
+            job, w = jobs[i], None
+            if not any(_same_request(job.req, f) for f in failed):
+                w = next((w for w in self.workers if w.accepting and w.reserved_for is None
+                          and w.res.request(job.req)), None)
+                if w is None:
+                    failed.append(job.req)
+            if w is None:
+                i += 1
                 continue
-            i += 1
+            del jobs[i]
+            stop -= 1
+            self.n_queued -= 1
+            self.launch(job, w)
+            started += 1
         return started
 
     # -- watching -------------------------------------------------------------------
@@ -5046,11 +4937,9 @@ class Scheduler:
                     or now - q.warned_at < STUCK_REPEAT_S:
                 continue
             q.warned_at = now
-            if self.workers:
-                where = f"the largest worker is {self.largest()}"
-            else:
-                where = ("no worker has joined yet (give run() local=..., or start workers "
-                         "with `python grain.py up`)")
+            where = (f"the largest worker is {self.largest()}" if self.workers else
+                     "no worker has joined yet (give run() local=..., or start workers with "
+                     "`python grain.py up`)")
             out.append((q, f"job {q.blocked_job.name} requesting "
                            f"{request_text(q.blocked_job.req)} has "
                            f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
@@ -5108,11 +4997,9 @@ class Scheduler:
                     f"is {self.largest()}")
         room = [w for w in large if w.res.request(req)]
         if room:
-            held = [w for w in room if w.reserved_for is not None]
-            if held and len(held) == len(room):
-                other = held[0].reserved_for
-                return (f"the worker(s) with room are held for {other.name}, which waited "
-                        f"longer (reserved)")
+            if all(w.reserved_for is not None for w in room):
+                return (f"the worker(s) with room are held for {room[0].reserved_for.name}, "
+                        f"which waited longer (reserved)")
             return "a worker has room: it starts at the next pass"
         busy = ", ".join(f"{w.name} ({w.running} running, {w.res!r} free)" for w in large[:4])
         more = f" and {len(large) - 4} more" if len(large) > 4 else ""
@@ -5154,7 +5041,7 @@ async def receive_all(channel, handlers):
     Before waiting for more, send what the handlers queued: the jobs a batch of results
     let start go out in one write."""
     while True:
-        if channel.has_pending_output and not channel.has_buffered_input:
+        if channel.flush_due:
             await channel.flush()
         msg = await channel.receive()
         if msg is None:
@@ -5275,9 +5162,7 @@ class Reunion:
                 if since < old:
                     del self.running[wire]
                     w.channel.send(("cancel", wire))
-            for wire, (_, since) in list(self.finished.items()):
-                if since < old:
-                    del self.finished[wire]
+            self.finished = {wire: f for wire, f in self.finished.items() if f[1] >= old}
 
 
 async def warn_of_stuck_queues(scheduler):
@@ -5548,8 +5433,7 @@ class HeadService:
                         walltime=w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                         job_id=w.job_id) for w in st.workers]
         return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
-                "queued": st.queued, "running": st.running, "done": tally.counts["done"],
-                "failed": tally.counts["failed"], "retried": tally.counts["retried"],
+                "queued": st.queued, "running": st.running, **tally.counts,
                 "retried_by_class": dict(tally.retried_by_class),
                 "failed_by_class": dict(tally.failed_by_class),
                 "next": request_text(st.next_request) if st.next_request is not None else None,
@@ -5614,7 +5498,6 @@ async def attach_to_head(address, key, argv, log_file):
         for url in (sock, address):
             with contextlib.suppress(Unreachable):
                 return await connect(url, key)
-        return None
 
     stream = await existing()
     if stream is not None:
@@ -5653,13 +5536,8 @@ class Unlimited(Resource):
     def _take(self, req):
         return ZERO
 
-    def dealloc(self, alloc):
-        pass
-
     def __and__(self, other):
         return self
-
-    __rand__ = __and__
 
     def _repr(self):
         return "unlimited"
@@ -5745,13 +5623,13 @@ class MissionLink:
                 self.open(self.nursery)
             if link is not None:
                 self.owner.remove_worker(link)
-            if link is not None and not self.owner.closing and link.jobs:
-                log.warning("the head daemon %s with %d job(s) of this mission; handing "
-                            "them to the next one; its log: %s", why, len(link.jobs),
-                            link.log_file)
-                jobs, link.jobs = list(link.jobs.values()), {}
-                self.resumed.update(job.id for job in jobs)
-                self.owner.hand_back(jobs)
+                if not self.owner.closing and link.jobs:
+                    log.warning("the head daemon %s with %d job(s) of this mission; handing "
+                                "them to the next one; its log: %s", why, len(link.jobs),
+                                link.log_file)
+                    jobs, link.jobs = list(link.jobs.values()), {}
+                    self.resumed.update(job.id for job in jobs)
+                    self.owner.hand_back(jobs)
 
 
 ###############################################################################
@@ -5815,13 +5693,6 @@ class MissionRecord:
         jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done, {t['failed']} failed, {unended} "
                                       "not ended)" if unended else "")
         return f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
-
-    @staticmethod
-    def check_report_path(path):
-        """GrainError now for a report path it could not write at the end."""
-        problem = output_path_problem(path)
-        if problem:
-            raise GrainError(f"report {path}: {problem}")
 
     def write_html(self, path, jobs, title="grain mission"):
         """The mission report (see the section) to ``path``; a failure is logged, not
@@ -6079,16 +5950,6 @@ _NO_EFFECT = {
 }
 
 
-def _note_no_effect(where, options):
-    """Accept upstream's executor arguments that have no effect here, saying why in one line
-    each; refuse any other unknown argument, as Python would."""
-    for name, value in options.items():
-        why = _NO_EFFECT.get(name)
-        if why is None:
-            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
-        log.warning("%s(%s=...) has no effect in grain.py: %s", where, name, why)
-
-
 @dataclass(frozen=True)
 class MissionSetup:
     """What a mission's config adds to its executor (see run()); GrainExecutor's defaults
@@ -6147,7 +6008,11 @@ class GrainExecutor(HeadCore):
                  results=None, rerun_failed=True, report=None, progress=None, nolocal=False,
                  reschedule=True, persistent=True, **no_effect):
         self.waddrs, rpw = _worker_sources(waddrs, rpw)
-        _note_no_effect("GrainExecutor", no_effect)
+        for name in no_effect:  # upstream's that mean nothing here; others are refused
+            if name not in _NO_EFFECT:
+                raise TypeError(f"GrainExecutor() got an unexpected keyword argument {name!r}")
+            log.warning("GrainExecutor(%s=...) has no effect in grain.py: %s", name,
+                        _NO_EFFECT[name])
         if not reschedule:  # upstream: "abort on any exception": no retry at all
             temporary_err, max_retries = (), 0
         super().__init__(Retries(max_retries, temporary_err, persistent))
@@ -6178,7 +6043,6 @@ class GrainExecutor(HeadCore):
     group_times = property(lambda self: self.scheduler.group_times)
     urls = property(lambda self: self.service.urls if self.service else {})
     counts = property(lambda self: self.tally.counts)
-    failed_by_class = property(lambda self: self.tally.failed_by_class)
     retried_by_class = property(lambda self: self.tally.retried_by_class)
 
     # -- submission -------------------------------------------------------
@@ -6278,9 +6142,9 @@ class GrainExecutor(HeadCore):
         super().remove_worker(worker)
         self.record.left(worker)
 
-    def add_local_worker(self, res, name):
+    def add_local_worker(self, res, name, context=None, output=None):
         """One more in-process worker, holding ``res``."""
-        self.add_worker(LocalWorker(self, res, name, self._nursery))
+        self.add_worker(LocalWorker(self, res, name, self._nursery, context, output))
 
     async def wait_for_workers(self, n):
         """Wait until at least ``n`` worker processes have joined."""
@@ -6364,7 +6228,6 @@ class GrainExecutor(HeadCore):
     # -- lifetime -----------------------------------------------------------
     async def __aenter__(self):
         self._stack = contextlib.AsyncExitStack()
-        self._rt_token = None
         try:
             await self._open()
         except BaseException:
@@ -6373,8 +6236,8 @@ class GrainExecutor(HeadCore):
         return self
 
     async def _open(self):
-        if self.report:  # a report it could not write at the end: said now
-            MissionRecord.check_report_path(self.report)
+        if self.report and (problem := output_path_problem(self.report)):  # said now
+            raise GrainError(f"report {self.report}: {problem}")
         if self.stored is not None:  # first: a store another mission holds stops us here
             await trio.to_thread.run_sync(self.stored.store.open)
             self._stack.callback(self.stored.store.close)
@@ -6391,16 +6254,16 @@ class GrainExecutor(HeadCore):
         self._runtime = _Runtime(self)
         if rt is not None:
             self._runtime.pool = rt.pool  # a pool opened around us stays usable
-        self._rt_token = _RUNTIME.set(self._runtime)
+        # reset before the context modules exit, which may set it too
+        self._stack.callback(_RUNTIME.reset, _RUNTIME.set(self._runtime))
         self._t0 = time.perf_counter()
         self._workers_changed = trio.Event()
         self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery, context,
                                         output, in_order=True)
         if self.rpw is not None and self.rpw._parts():
-            self.add_worker(LocalWorker(self, self.rpw, self.local_name, self._nursery,
-                                        context, output))
+            self.add_local_worker(self.rpw, self.local_name, context, output)
         for name, value, res in backendless:
-            self.add_worker(LocalWorker(self, res, name, self._nursery, value))
+            self.add_local_worker(res, name, value)
         if self.progress is not False:
             start_progress(self, self._stack, self._nursery)
         if self.stored is not None:
@@ -6423,9 +6286,6 @@ class GrainExecutor(HeadCore):
             self._nursery.start_soon(self.service.dial_passive, url, self.rpw)
 
     async def _close(self):
-        if self._rt_token is not None:  # before the context modules, which may set it too
-            _RUNTIME.reset(self._rt_token)
-            self._rt_token = None
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
 
@@ -6887,23 +6747,17 @@ async def _evaluate(root):
     stack = [root]
     while stack:
         node = stack[-1]
-        if node._value is not _NO_VALUE:
-            stack.pop()
-            continue
-        if node._job is not None:
+        if node._value is _NO_VALUE and node._job is not None:
             object.__setattr__(node, "_value", await node._job.wait())
-            stack.pop()
-            continue
-        deps = _delayeds_in(node._args, [])
-        if node._kwargs:
-            _delayeds_in(node._kwargs, deps)
-        pending = [d for d in deps if d._value is _NO_VALUE]
-        if pending:
-            stack.extend(pending)
-            continue
-        args = _substitute(node._args) if deps else node._args
-        kwargs = _substitute(node._kwargs) if node._kwargs else {}
-        object.__setattr__(node, "_value", node._op(*args, **kwargs))
+        elif node._value is _NO_VALUE:
+            deps = _delayeds_in((node._args, node._kwargs), [])
+            pending = [d for d in deps if d._value is _NO_VALUE]
+            if pending:
+                stack.extend(pending)
+                continue
+            args = _substitute(node._args) if deps else node._args
+            kwargs = _substitute(node._kwargs) if node._kwargs else {}
+            object.__setattr__(node, "_value", node._op(*args, **kwargs))
         stack.pop()
     return root._value
 
@@ -7270,8 +7124,7 @@ class WorkerProcess:
                     raise GrainError(f"{e} (type {type(value).__name__})") from None
             except Exception as e:
                 reply = (False, pickled_failure(e, traceback.format_exc()), failure_class(e))
-            msg = ("done", jid, *reply[:2], trio.current_time() - started, *reply[2:])
-            self.send(msg)
+            self.send(("done", jid, *reply[:2], trio.current_time() - started, *reply[2:]))
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
             self.cancelled.discard(jid)
@@ -7436,8 +7289,7 @@ class _OpaqueFunction:
 class MissionQueue(JobQueue):
     """A mission attached to the daemon: its queue, its connection and its counters."""
 
-    __slots__ = ("channel", "pid", "host", "token", "functions", "done", "failed", "since",
-                 "gone")
+    __slots__ = ("channel", "host", "token", "functions", "done", "failed", "since", "gone")
 
     def __init__(self, channel, info):
         super().__init__(f"{info.get('name') or 'mission'}[{info.get('pid')}]",
@@ -7446,7 +7298,6 @@ class MissionQueue(JobQueue):
         # Its jobs are known to workers as "token/ref": the same again when it comes back
         # to a new daemon with them, not the same as another mission's.
         self.token = str(info.get("token") or os.urandom(8).hex())
-        self.pid = info.get("pid")
         self.host = info.get("host")
         self.functions = {}   # digest -> _OpaqueFunction
         self.done = self.failed = 0
@@ -7739,9 +7590,8 @@ class HeadDaemon(HeadCore):
 
 async def head_main(s, worker, key, idle_quit=None):
     """Run the head daemon for head settings ``s`` until stopped, idle or signalled."""
-    swarm = None
-    if worker.system:
-        swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window)
+    swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window) if worker.system \
+        else None
     daemon = HeadDaemon(
         s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
         mission_socket=mission_socket_path(s.listen),
@@ -7927,18 +7777,16 @@ def build_bundle(packages, out):
         with zipfile.ZipFile(f, "w") as z:
             for name in sorted(entries):
                 info = zipfile.ZipInfo(name, PACK_EPOCH)
-                info.compress_type = zipfile.ZIP_DEFLATED
                 info.external_attr = 0o644 << 16
                 info.create_system = 3
-                z.writestr(info, entries[name], compresslevel=9)
+                z.writestr(info, entries[name], zipfile.ZIP_DEFLATED, compresslevel=9)
     os.chmod(tmp, 0o755)
     return tmp
 
 
 def pack(out="grain.pyz", python=None, wheels=None, say=print):
     """Build the bundle for Python ``python`` ("X.Y"; default: this one). Returns its path."""
-    problem = output_path_problem(out)
-    if problem:  # (said before any download)
+    if problem := output_path_problem(out):  # (said before any download)
         raise UsageError(f"-o {out}: {problem}")
     if python:
         m = re.match(r"^(\d+)\.(\d+)$", python)
@@ -8187,11 +8035,8 @@ def _cmd_worker(args):
     # (quietly: a worker without a config file is the common case)
     config = find_config_path(args.config)
     reattach = load_config(config).role("worker").reattach if config else REATTACH_S
-    if args.reattach is not None:
-        try:
-            reattach = parse_duration(args.reattach, "--reattach")
-        except ValueError as e:
-            raise UsageError(f"{e}") from None
+    if args.reattach is not None:  # (a ValueError is bad input too: exit code 2)
+        reattach = parse_duration(args.reattach, "--reattach")
     return trio_run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,
@@ -8470,20 +8315,13 @@ def main(argv=None):
         try:
             return _COMMANDS[args.command](args)
         except BaseExceptionGroup as group:  # one error out of nested nurseries: show it
-            leaf = lone_exception(group)
-            if leaf is group:
-                raise
-            raise leaf from None
-    except (UsageError, ValueError) as e:
+            raise lone_exception(group) from None
+    except (GrainError, ValueError) as e:
         print(f"grain.py {args.command}: {e}", file=sys.stderr)
-        return 2
-    except GrainError as e:
-        print(f"grain.py {args.command}: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, (UsageError, ValueError)) else 1
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a bug or an unforeseen failure: one line, the rest with -v
-        e = lone_exception(e)
         if args.verbose:
             traceback.print_exc()
         print(f"grain.py {args.command}: {type(e).__name__}: {e} (run with -v for the "
