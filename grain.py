@@ -30,6 +30,7 @@ Sections, in dependency order (each uses only what is above it):
     Jobs                Job, failure classes, Tally, Retries; pickling jobs' values
     Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
     Transports          serve() and connect() for tcp, unix and Edge; Channel sessions
+    Bridge              bridge://: meeting across clusters, direct or relayed; the server
     Subprocesses        the programs a job runs (run_program, job_env); @subprocify's pool
     Config              grain.toml as frozen dataclasses
     Cluster             the batch systems as data (SYSTEMS), job scripts, job records
@@ -1854,13 +1855,17 @@ def unpickle_result(job, ok, data, where):
 # HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
 # nothing is unpickled until both sides have proved they hold the key. Then each frame
 # holds one pickled message, a tuple ``(name, *fields)`` from the MESSAGES table, and
-# every receiver hands it to dispatch(). Job functions, arguments and results travel
-# inside messages as pickle or dill bytes, opened only by missions and workers.
+# every receiver hands it to dispatch(). A frame after the handshake ends in a tag that
+# proves it came from the key holder, in this order (Seal): what a relay or the path
+# alters, drops, replays or injects is refused before it is unpickled. Job functions,
+# arguments and results travel inside messages as pickle or dill bytes, opened only by
+# missions and workers.
 
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
-AUTH_MAGIC = b"GRAIN\x01\r\n"  # 8 bytes: protocol name and version
+AUTH_MAGIC = b"GRAIN\x02\r\n"  # 8 bytes: protocol name and version (2: sealed frames)
 AUTH_NONCE = 32                 # bytes of randomness each side contributes
 AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
+SEAL_TAG = 16                   # bytes of a frame's integrity tag (keyed BLAKE2b)
 
 
 class FrameDecoder:
@@ -1933,6 +1938,44 @@ class Handshake:
         expected = self._mac(self.peer_role, self.nonce, self.peer_nonce)
         if not hmac.compare_digest(expected, peer_proof):
             raise AuthenticationError("the peer does not hold the grain key")
+        return Seal(self._mac(b"seal " + self.role, self.nonce, self.peer_nonce),
+                    self._mac(b"seal " + self.peer_role, self.peer_nonce, self.nonce))
+
+
+class Seal:
+    """The integrity of one connection's frames after its handshake: each direction has
+    its own key (from the shared key and both nonces) and counts its frames; a frame's
+    tag is a keyed BLAKE2b (a MAC, and a quarter of HMAC-SHA256's cost per frame) of its
+    number and payload. So a frame altered, dropped, replayed, reordered or injected (by
+    a relay, or anyone on the path) fails on arrival."""
+
+    __slots__ = ("_out", "_in", "sent", "received")
+
+    def __init__(self, key_out, key_in):
+        self._out = hashlib.blake2b(key=key_out, digest_size=SEAL_TAG)
+        self._in = hashlib.blake2b(key=key_in, digest_size=SEAL_TAG)
+        self.sent = self.received = 0
+
+    @staticmethod
+    def _mac(keyed, n, payload):
+        mac = keyed.copy()
+        mac.update(n.to_bytes(8, "big"))
+        mac.update(payload)
+        return mac.digest()
+
+    def tag(self, payload):
+        self.sent += 1
+        return self._mac(self._out, self.sent, payload)
+
+    def open(self, frame, peer):
+        """The payload of a received ``frame``; FrameError if its tag is not right."""
+        self.received += 1
+        payload = frame[:-SEAL_TAG]
+        if not hmac.compare_digest(frame[-SEAL_TAG:],
+                                   self._mac(self._in, self.received, payload)):
+            raise FrameError(f"frame {self.received} from {peer} failed its integrity check "
+                             "(altered, dropped, replayed or injected on the way)")
+        return payload
 
 
 def default_key_path():
@@ -2075,20 +2118,26 @@ def parse_url(url):
     m = re.match(r"^([a-z]+)://(.*)$", url or "")
     if not m:
         raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
-                         "unix:///path or edge:///abs/path")
+                         "unix:///path, edge:///abs/path or bridge://LABEL@HOST:PORT")
     scheme, rest = m.groups()
     if scheme == "tcp":
         host, sep, port = rest.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
         return scheme, host.strip("[]"), int(port)
+    if scheme == "bridge":
+        m = re.match(r"^([^@/,|]+)@([^:/?@]+):(\d+)/?(\?[^#]*)?$", rest)
+        if not m or int(m.group(3)) > 65535:
+            raise ValueError(f"malformed address {url!r}: expected "
+                             "bridge://LABEL@HOST:PORT[?iface=NAME]")
+        return scheme, m.group(2), int(m.group(3))
     if scheme in ("unix", "edge"):
         if not rest.startswith("/"):
             raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
                              f"({scheme}:///abs/path)")
         return scheme, "", rest
     raise ValueError(f"unsupported address scheme {scheme!r} in {url!r} "
-                     "(use tcp://, unix:// or edge://)")
+                     "(use tcp://, unix://, edge:// or bridge://)")
 
 
 def _ipv4_addresses():
@@ -2151,29 +2200,33 @@ async def _unix_listener(path):
     return trio.SocketListener(sock)
 
 
-async def _receive_exactly(stream, n):
+async def _receive_exactly(stream, n, during="during the handshake",
+                           error=AuthenticationError):
     buf = bytearray()
     while len(buf) < n:
         data = await stream.receive_some(n - len(buf))
         if not data:
-            raise AuthenticationError("the peer closed the connection during the handshake")
+            raise error(f"the peer closed the connection {during}")
         buf += data
     return bytes(buf)
 
 
 async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
-    """Run the handshake on a fresh stream; raises AuthenticationError if it fails."""
+    """Run the handshake on a fresh stream; raises AuthenticationError if it fails. The
+    stream then carries its Seal (``stream.seal``) to the Channel that speaks over it."""
     hs = Handshake(key, dialer)
     with trio.move_on_after(timeout) as scope:
         await stream.send_all(hs.hello())
         peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
         await stream.send_all(hs.proof(peer_hello))
-        hs.verify(await _receive_exactly(stream, AUTH_PROOF))
+        stream.seal = hs.verify(await _receive_exactly(stream, AUTH_PROOF))
     if scope.cancelled_caught:
         raise AuthenticationError(f"no handshake within {timeout:g} s")
 
 
 def _peer_name(stream):
+    if getattr(stream, "via", None):  # met through a bridge (see Bridge)
+        return f"{stream.peer} ({stream.via})"
     try:
         addr = stream.socket.getpeername()
     except (AttributeError, OSError):
@@ -2323,6 +2376,11 @@ async def accept_one(listeners, key):
                 await listener.aclose()
 
 
+# Schemes a section below speaks: {scheme: (serve(url, key, on_accept, task_status),
+# connect(url, key, wait))}, filled in there (the Bridge)
+MORE_SCHEMES = {}
+
+
 async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
     """Accept peers at ``url`` until cancelled: each stream that passes the handshake goes
     to ``handler(stream, peer)`` in a task of its own, and is closed when it returns.
@@ -2336,6 +2394,8 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
     scheme, _, where = parse_url(url)
     if scheme == "edge":
         return await _serve_edge(where, key, on_accept, handler, task_status)
+    if scheme in MORE_SCHEMES:
+        return await MORE_SCHEMES[scheme][0](url, key, on_accept, task_status)
     listeners, urls = await open_listeners(url)
     try:
         async with open_strict_nursery() as nursery:
@@ -2408,6 +2468,8 @@ async def connect(url, key, *, wait=False):
     answers. For an Edge file, the listener it records; with ``wait``, while it records
     none that answers, record where we listen and wait to be called."""
     scheme, _, where = parse_url(url)
+    if scheme in MORE_SCHEMES:
+        return await MORE_SCHEMES[scheme][1](url, key, wait)
     if scheme != "edge":
         return await _try_connect([url], key)
     edge = EdgeFile(where)
@@ -2461,6 +2523,7 @@ class Channel:
     def __init__(self, stream, max_frame=MAX_FRAME, peer="?", silent_after=None):
         self.stream = stream
         self.peer = peer
+        self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames = FrameStream(stream, max_frame=max_frame)
         self._out = []
         self._wakeup = trio.Event()
@@ -2475,7 +2538,11 @@ class Channel:
         """Queue a control message; the writer task sends it with whatever else is queued."""
         if not self._closed:
             payload = dumps_control(msg)
-            self._out += (FRAME_HEADER.pack(len(payload)), payload)
+            if self._seal is None:
+                self._out += (FRAME_HEADER.pack(len(payload)), payload)
+            else:
+                self._out += (FRAME_HEADER.pack(len(payload) + SEAL_TAG), payload,
+                              self._seal.tag(payload))
             self._wakeup.set()
 
     async def run_writer(self):
@@ -2523,6 +2590,8 @@ class Channel:
             return None
         if frame is None:
             return None
+        if self._seal is not None:
+            frame = self._seal.open(frame, self.peer)
         self.last_heard = trio.current_time()
         try:
             return pickle.loads(frame)
@@ -2582,6 +2651,361 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
     finally:
         with trio.CancelScope(shield=True):
             await channel.aclose()
+
+
+###############################################################################
+# Bridge ######################################################################
+###############################################################################
+# One mission across clusters whose nodes cannot reach each other: the head and its
+# workers meet through a rendezvous server both can reach, the bridge (``python grain.py
+# bridge``, port 9555), in upstream's messages: a 4-byte big-endian length, then at most
+# BRIDGE_PACKET bytes of ASCII "CMD,a,b". The head keeps one connection open ("INIT,
+# label,"). A worker sends "SUBD,label,<its own ip:port>" and waits; the bridge tells the
+# head "<the worker's address as the bridge sees it>|<its own>"; the head answers on a
+# new connection "HEAD,<worker's public address>,<its own ip:port>", and the worker gets
+# "<head public>|<head private>". Each side then listens on the port it spoke from and
+# dials the other's two addresses from it (a simultaneous open, which crosses most
+# NATs). The worker chooses the first stream that opens by sending CHOSEN on it; the
+# head takes the stream that says so. When no stream opens within BRIDGE_DIRECT_S, both
+# ask the bridge to relay ("RELAY,label,<the other's public address>", our own message)
+# and it splices the two connections. On the chosen stream the grain handshake runs, and
+# every frame after it is sealed: the bridge and the path see the label (an HMAC of the
+# URL's label under the key, never the key), addresses and sizes, never a job.
+
+BRIDGE_PORT = 9555
+BRIDGE_PACKET = 1000      # bytes of one bridge message at most (upstream's limit)
+BRIDGE_DIRECT_S = 3.0     # seconds to try the direct path before asking for a relay
+BRIDGE_WAIT_S = 30.0      # seconds the bridge waits for a first message or a relay's half
+BRIDGE_PUNCH_S = 0.5      # seconds between dials of the other side's addresses
+BRIDGE_BACKOFF_S = 30.0   # the longest a head waits between tries to reach its bridge
+CHOSEN = b"\x01"          # the worker's word on the stream it chose
+
+
+def bridge_target(url, key):
+    """``(host, port, label, options)`` of a bridge:// URL; the label is what the bridge
+    sees: only holders of the key pair up, and the bridge never learns it."""
+    parse_url(url)
+    m = re.match(r"^bridge://([^@]+)@([^:]+):(\d+)/?(?:\?(.*))?$", url)
+    options = dict(kv.split("=", 1) for kv in (m.group(4) or "").split("&") if "=" in kv)
+    label = hmac.new(key, b"grain bridge label " + m.group(1).encode(),
+                     hashlib.sha256).hexdigest()[:32]
+    return m.group(2), int(m.group(3)), label, options
+
+
+async def bridge_send(stream, text):
+    data = text.encode("ascii")
+    await stream.send_all(FRAME_HEADER.pack(len(data)) + data)
+
+
+async def bridge_receive(stream):
+    """The next bridge message; PeerError if it is cut short, too long or not ASCII."""
+    (n,) = FRAME_HEADER.unpack(await _receive_exactly(stream, 4, "", PeerError))
+    if n > BRIDGE_PACKET:
+        raise PeerError(f"a message of {n} bytes (at most {BRIDGE_PACKET})")
+    try:
+        return (await _receive_exactly(stream, n, "inside a message", PeerError)).decode(
+            "ascii")
+    except UnicodeDecodeError:
+        raise PeerError("a message that is not ASCII") from None
+
+
+async def _socket_from(port=0):
+    """A TCP socket bound to our ``port``, which other sockets may share: a meeting's
+    listener and its dials speak from one port, which a NAT maps once."""
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    await sock.bind(("0.0.0.0", port))
+    return sock
+
+
+async def _dial_from(port, host, to):
+    sock = await _socket_from(port)
+    try:
+        infos = await trio.socket.getaddrinfo(host, to, socket.AF_INET, socket.SOCK_STREAM)
+        await sock.connect(infos[0][4])
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def _meet(host, port, label, options, other=None):
+    """A stream to the other side of a meeting through the bridge at ``host:port`` (see the
+    section), which says how it goes (``via``). A worker (``other`` None) asks for the
+    head, gets its addresses in answer and chooses the stream; a head has the worker's
+    (``other``), answers, and takes the stream the worker chose."""
+    listener = await _socket_from()
+    listener.listen(16)
+    mine = listener.getsockname()[1]
+    with listener:
+        to_bridge = await _dial_from(mine, host, port)
+        async with to_bridge:
+            ip = _ipv4_addresses().get(options["iface"]) if "iface" in options else None
+            private = f"{ip or to_bridge.socket.getsockname()[0]}:{mine}"
+            dialer = other is None
+            await bridge_send(to_bridge, f"SUBD,{label},{private}" if dialer else
+                              f"HEAD,{other[0]},{private}")
+            if dialer:  # (no time limit: the head may come later; our caller has one)
+                other = (await bridge_receive(to_bridge)).split("|")
+        if len(other) != 2:
+            raise PeerError(f"the bridge answered {'|'.join(other)!r:.60}, not two addresses")
+        found, candidates = trio.open_memory_channel(math.inf)
+        relay_only = options.get("direct") == "no"
+
+        async def accept():
+            with contextlib.suppress(OSError):
+                while True:
+                    found.send_nowait((trio.SocketStream((await listener.accept())[0]),
+                                       "direct"))
+
+        async def dial(address):
+            h, _, p = address.rpartition(":")
+            while True:
+                with contextlib.suppress(OSError, ValueError):
+                    return found.send_nowait((await _dial_from(mine, h, int(p)), "direct"))
+                await trio.sleep(BRIDGE_PUNCH_S)
+
+        async def relay():
+            await trio.sleep(0 if relay_only else BRIDGE_DIRECT_S)
+            with contextlib.suppress(OSError, trio.BrokenResourceError):
+                stream = await _dial_from(0, host, port)
+                await bridge_send(stream, f"RELAY,{label},{other[0]}")
+                found.send_nowait((stream, "relayed"))
+
+        chosen = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept)
+            for address in () if relay_only else set(other):
+                nursery.start_soon(dial, address)
+            nursery.start_soon(relay)
+            with trio.move_on_after(BRIDGE_DIRECT_S + BRIDGE_WAIT_S):
+                chosen = await (_choose(candidates) if dialer else _chosen(candidates))
+            nursery.cancel_scope.cancel()
+    found.close()
+    with contextlib.suppress(trio.EndOfChannel):
+        while True:  # the streams that came too late
+            await trio.aclose_forcefully(candidates.receive_nowait()[0])
+    if chosen is None:
+        raise PeerError(f"no stream to {other[0]}, direct or relayed, within "
+                        f"{BRIDGE_DIRECT_S + BRIDGE_WAIT_S:g} s")
+    stream, how = chosen
+    stream.peer, stream.via = other[0], f"{how} through bridge {host}:{port}"
+    return stream
+
+
+async def _choose(candidates):
+    """(The worker) the first stream that opens: say so on it."""
+    async for stream, how in candidates:
+        try:
+            await stream.send_all(CHOSEN)
+            return stream, how
+        except (OSError, trio.BrokenResourceError):
+            await trio.aclose_forcefully(stream)
+
+
+async def _chosen(candidates):
+    """(The head) the stream on which the worker says it chose it; the others close."""
+    won = []
+    async with trio.open_nursery() as nursery:
+        async def hear(stream, how):
+            with contextlib.suppress(OSError, trio.BrokenResourceError):
+                if await stream.receive_some(1) == CHOSEN:
+                    won.append((stream, how))
+                    nursery.cancel_scope.cancel()
+                    return
+            await trio.aclose_forcefully(stream)
+
+        async for candidate in candidates:
+            nursery.start_soon(hear, *candidate)
+    return won[0]
+
+
+async def _serve_bridge(url, key, on_accept, task_status):
+    """serve() for a bridge:// URL: keep our place on the bridge (back on it, after a
+    growing pause, when it cannot be reached or goes) and meet each worker it announces."""
+    host, port, label, options = bridge_target(url, key)
+    pause = 0.0
+
+    async def meet(worker):
+        try:
+            stream = await _meet(host, port, label, options, worker)
+        except (OSError, PeerError, trio.BrokenResourceError) as e:
+            log.warning("no path to the worker at %s through the bridge %s:%d: %s",
+                        worker[0], host, port, e)
+            return
+        async with stream:
+            await on_accept(stream)
+
+    async with open_strict_nursery() as nursery:
+        task_status.started({"bridge": url})  # (workers wait for us as for a late head)
+        while True:
+            try:
+                async with await _dial_from(0, host, port) as stream:
+                    await bridge_send(stream, f"INIT,{label},")
+                    if pause:
+                        log.info("on the bridge %s:%d again", host, port)
+                    pause = 0.0
+                    while True:
+                        nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
+            except (OSError, PeerError, trio.BrokenResourceError) as e:
+                pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
+                log.warning("cannot reach the bridge at %s:%d (%s); trying again in %g s",
+                            host, port, getattr(e, "strerror", None) or e, pause)
+            await trio.sleep(pause)
+
+
+async def _connect_bridge(url, key, wait):
+    """connect() for a bridge:// URL: ask the bridge for the head, meet it, authenticate.
+    Without ``wait``, a head must answer within CLI_TIMEOUT_S; with it, we wait for the
+    head, and try the bridge again, after a growing pause, while it cannot be reached."""
+    host, port, label, options = bridge_target(url, key)
+    pause = 0.0
+    while True:
+        try:
+            with trio.fail_after(math.inf if wait else CLI_TIMEOUT_S):
+                stream = await _meet(host, port, label, options)
+                try:
+                    await authenticate(stream, key, dialer=True)
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+            return stream
+        except trio.TooSlowError:
+            raise Unreachable(f"no head answered through the bridge {host}:{port} within "
+                              f"{CLI_TIMEOUT_S:g} s") from None
+        except (OSError, PeerError, trio.BrokenResourceError) as e:
+            why = f"the bridge {host}:{port}: {getattr(e, 'strerror', None) or e}"
+            if not wait:
+                raise Unreachable(why) from None
+            pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
+            log.warning("%s; trying again in %g s", why, pause)
+        await trio.sleep(pause)
+
+
+MORE_SCHEMES["bridge"] = (_serve_bridge, _connect_bridge)
+
+
+class BridgeServer:
+    """The rendezvous server: pairs the heads and workers of each label (see the section)
+    and relays for those that find no direct path. It keeps nothing but who waits."""
+
+    def __init__(self):
+        self.heads = {}      # label -> the channel to the head serving it (the last INIT)
+        self.waiting = {}    # label -> {worker's address: "address|private"}, headless
+        self.answers = {}    # worker's address -> the channel its head's answer comes by
+        self.paired = {}     # a head's address (its HEAD) -> its worker's, for RELAY
+        self.relays = {}     # (label, worker's address) -> (stream, event): half a relay
+
+    async def serve(self, url, *, task_status=TASK_STATUS_IGNORED):
+        _, host, port = parse_url(url)
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host or None)
+        except OSError as e:
+            raise ListenError(f"cannot listen at {url}: {e.strerror or e}") from None
+        log.info("bridge listening at %s", url)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, stream):
+        peer, text = _peer_name(stream), "?"
+        try:
+            with trio.fail_after(BRIDGE_WAIT_S):
+                text = await bridge_receive(stream)
+            command, label, rest = text.split(",", 2)
+            act = {"INIT": self._head, "SUBD": self._worker, "HEAD": self._answer,
+                   "RELAY": self._relay}[command]
+        except trio.TooSlowError:
+            return log.warning("bridge: %s said nothing for %g s", peer, BRIDGE_WAIT_S)
+        except (ValueError, KeyError):
+            return log.warning("bridge: %s sent %r, not a message it knows", peer, text[:60])
+        except (PeerError, OSError, trio.BrokenResourceError) as e:
+            return log.warning("bridge: %s: %s", peer, e)
+        try:
+            await act(stream, peer, label, rest)
+        except Exception as e:  # its peer went mid-way: the bridge serves on
+            log.info("bridge: %s went: %r", peer, lone_exception(e))
+
+    @staticmethod
+    async def _until_closed(stream, scope):
+        with contextlib.suppress(OSError, trio.BrokenResourceError):
+            while await stream.receive_some(1024):
+                pass
+        scope.cancel()
+
+    async def _head(self, stream, peer, label, _):
+        send, receive = trio.open_memory_channel(math.inf)
+        if label in self.heads:  # a new head takes over; the old one hears no more
+            self.heads[label].close()
+        self.heads[label] = send
+        log.info("bridge: head %s... at %s", label[:8], peer)
+        for text in self.waiting.pop(label, {}).values():
+            send.send_nowait(text)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._until_closed, stream, nursery.cancel_scope)
+                async for text in receive:
+                    await bridge_send(stream, text)
+        finally:
+            if self.heads.get(label) is send:
+                del self.heads[label]
+            log.info("bridge: head %s... at %s is gone", label[:8], peer)
+
+    async def _worker(self, stream, peer, label, private):
+        send, receive = trio.open_memory_channel(1)
+        self.answers[peer] = send
+        if label in self.heads:
+            self.heads[label].send_nowait(f"{peer}|{private}")
+        else:
+            self.waiting.setdefault(label, {})[peer] = f"{peer}|{private}"
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._until_closed, stream, nursery.cancel_scope)
+                answer = await receive.receive()
+                await bridge_send(stream, answer)
+                log.info("bridge: worker %s meets head %s... at %s", peer, label[:8],
+                         answer.split("|")[0])
+                nursery.cancel_scope.cancel()
+        finally:
+            self.answers.pop(peer, None)
+            self.waiting.get(label, {}).pop(peer, None)
+
+    async def _answer(self, stream, peer, worker, private):
+        try:
+            self.answers[worker].send_nowait(f"{peer}|{private}")
+        except (KeyError, trio.WouldBlock):
+            return log.warning("bridge: %s answered %s, who waits for no answer", peer,
+                               worker[:60])
+        self.paired[peer] = worker
+        while len(self.paired) > 10000:  # (kept for the RELAY that may follow, not forever)
+            del self.paired[next(iter(self.paired))]
+
+    async def _relay(self, stream, peer, label, other):
+        slot = (label, self.paired.get(other, other))
+        if slot not in self.relays:
+            self.relays[slot] = (stream, trio.Event())
+            with trio.move_on_after(BRIDGE_WAIT_S):
+                await self.relays[slot][1].wait()
+            if self.relays.get(slot, (None,))[0] is stream:
+                del self.relays[slot]
+                log.warning("bridge: %s waited for a relay that nobody joined", peer)
+            return
+        half, done = self.relays.pop(slot)
+        log.info("bridge: relaying between %s and %s", _peer_name(half), peer)
+        try:
+            async with trio.open_nursery() as nursery:
+                for a, b in ((half, stream), (stream, half)):
+                    nursery.start_soon(self._pump, a, b, nursery.cancel_scope)
+        finally:
+            done.set()
+
+    @staticmethod
+    async def _pump(source, sink, scope):
+        with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await source.receive_some(1 << 16):
+                await sink.send_all(data)
+        scope.cancel()
 
 
 ###############################################################################
@@ -4401,6 +4825,7 @@ class Worker:
     job_id = None     # its batch job, if any
     channel = None    # the connection to its process, if it has one
     pid = host = None
+    via = None        # met through a bridge: how ("relayed through bridge HOST:PORT")
 
     def __init__(self, owner, res, name):
         self.owner = owner
@@ -4444,11 +4869,11 @@ class Worker:
 
     def statistics(self):
         return WorkerStatistics(self.name, self.res.stat(), self.total.stat(), self.running,
-                                self.status(), self.where, self.job_id)
+                                self.status(), self.where, self.job_id, self.via)
 
 
 WorkerStatistics = namedtuple("WorkerStatistics",
-                              "name free total running status where job_id")
+                              "name free total running status where job_id via")
 WorkerStatistics.__doc__ = "A worker at one moment; free/total are ``Resource.stat()`` dicts."
 
 
@@ -4521,8 +4946,10 @@ class RemoteWorker(Worker):
         super().__init__(owner, res, name)
         self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
         self.known_functions = set()
+        self.via = getattr(channel.stream, "via", None)  # met through a bridge: how
 
-    where = property(lambda self: f"pid {self.pid} on {self.host}")
+    where = property(lambda self: f"pid {self.pid} on {self.host}" +
+                     (f", {self.via}" if self.via else ""))
 
     def _send_function(self, fn, named=False):
         """Send ``fn`` (``named``: with its name) unless the peer has it already; returns
@@ -5359,6 +5786,7 @@ class HeadService:
             await receive_all(channel, w.message_handlers())
         except PeerError as e:
             why = f"was dropped ({e})"
+            log.warning("worker %s from %s %s", w.name, channel.peer, why)
         finally:
             self.owner.remove_worker(w)
             self.owner.reunion.worker_left(w)
@@ -5430,6 +5858,7 @@ class HeadService:
         workers = [dict({key: (w.free.get(kind, (0, 0))[0], w.total.get(kind, (0, 0))[1])
                          for key, kind, _ in LS_AMOUNTS},
                         name=w.name, running=w.running, status=w.status, where=w.where,
+                        via=w.via,
                         walltime=w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                         job_id=w.job_id) for w in st.workers]
         return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
@@ -7934,8 +8363,9 @@ _AT_HEAD = ("address", "config", "key")
 # The commands: name, help, shared options, options of its own.
 _COMMAND_LINE = [
     ("worker", "run a worker: connect to a head and run its jobs", ("key", "config"), [
-        (("--url",), dict(help="the head's address: tcp://host:port, unix:///path or "
-                          "edge:///path (default: the Edge file in ~/.local/share)")),
+        (("--url",), dict(help="the head's address: tcp://host:port, unix:///path, "
+                          "edge:///path or bridge://LABEL@HOST:PORT (default: the Edge file "
+                          "in ~/.local/share)")),
         (("--listen",), dict(metavar="URL", help="be a passive worker: wait at "
                              "tcp://:PORT for a head to dial")),
         (("-r", "--res"), dict(metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
@@ -7972,6 +8402,11 @@ _COMMAND_LINE = [
         (("-a", "--address"), dict(help="where to listen (default: head.listen)")),
         (("--idle-quit",), dict(metavar="DURATION", help="quit after this long without "
                                 "missions (default: head.idle_quit)"))]),
+    ("bridge", "run a bridge: the rendezvous (and relay) through which a head and workers "
+               "on clusters that cannot reach each other meet (bridge://LABEL@HOST:PORT)", (), [
+        (("--listen",), dict(default=f"tcp://:{BRIDGE_PORT}", metavar="tcp://[HOST]:PORT",
+                             help=f"where to listen (default: every interface, port "
+                                  f"{BRIDGE_PORT})"))]),
     ("stop", "stop the head daemon (its workers get FIN)", _AT_HEAD, []),
     ("scale", "keep N workers submitted (0: autoscaling off)", _AT_HEAD, [
         (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
@@ -8283,6 +8718,12 @@ def _cmd_results(args):
     return 0
 
 
+def _cmd_bridge(args):
+    if parse_url(args.listen)[0] != "tcp":
+        raise UsageError(f"--listen {args.listen}: a bridge listens at tcp://[HOST]:PORT")
+    return trio_run(BridgeServer().serve, args.listen)
+
+
 def _cmd_pack(args):
     pack(args.output, args.python, args.wheels)
     return 0
@@ -8291,7 +8732,7 @@ def _cmd_pack(args):
 _COMMANDS = {"pack": _cmd_pack, "worker": _cmd_worker, "ls": _cmd_ls, "quit": _cmd_at_head,
              "up": _cmd_up, "down": _cmd_down, "start": _cmd_start, "head": _cmd_head,
              "stop": _cmd_at_head, "scale": _cmd_at_head, "results": _cmd_results,
-             "explain": _cmd_explain}
+             "explain": _cmd_explain, "bridge": _cmd_bridge}
 
 
 def main(argv=None):

@@ -4,6 +4,7 @@ Real processes, real pipes and files; trio's MockClock where time matters."""
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import sqlite3
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -511,6 +513,10 @@ OWN_HEAD_MISSION = textwrap.dedent("""
 
 
 class _FakeChannel:
+    """What a worker's Channel is to the head, recording what is sent."""
+
+    stream = None
+
     def __init__(self):
         self.sent = []
 
@@ -1262,6 +1268,51 @@ async def test_oversized_frame_after_auth_closes_only_that_connection(workers):
         assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
 
 
+def _sealed(seal, payload, tag_of=None):
+    """A frame of ``payload`` with the tag ``seal`` gives it (or gave ``tag_of``)."""
+    tag = seal.tag(payload if tag_of is None else tag_of)
+    return grain.FRAME_HEADER.pack(len(payload) + grain.SEAL_TAG) + payload + tag
+
+
+@trio_test
+async def test_a_frame_altered_dropped_replayed_or_injected_closes_its_connection(
+        workers, tmp_path, caplog):
+    # After the handshake: what a relay or the path could do to the frames of an
+    # authenticated worker. Each closes that connection, with a line naming the peer,
+    # before anything is unpickled; the head serves on.
+    evil = tmp_path / "pwned"
+    bomb = pickle.dumps(CreatesFile(str(evil)))
+    register = grain.dumps_control(("register", {"name": "w", "res": Cores(1), "pid": 1}))
+    attacks = {
+        "altered": lambda s: [_sealed(s, register)[:-20] + b"X" + _sealed(s, b"")[-19:]],
+        "dropped": lambda s: [(s.tag(register), _sealed(s, bomb))[1]],
+        "replayed": lambda s: [_sealed(s, register),
+                               (f := _sealed(s, grain.dumps_control(("ping",)))), f],
+        "injected": lambda s: [_sealed(s, register), grain.encode_frame(bomb)],
+        "tag of another": lambda s: [_sealed(s, bomb, tag_of=register)],
+    }
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
+            port = int(exer.urls["tcp"].rsplit(":", 1)[1])
+            for name, frames in attacks.items():
+                caplog.clear()
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await grain.authenticate(stream, exer.key, dialer=True)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(b"".join(frames(stream.seal)))
+                    with trio.fail_after(5):
+                        while await stream.receive_some(1024):
+                            pass   # the head closes this connection
+                await stream.aclose()
+                lines = [r.getMessage() for r in caplog.records]
+                assert any("failed its integrity check" in m and "127.0.0.1:" in m
+                           for m in lines), (name, lines)
+            assert not evil.exists() and exer.workers == []
+            w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+            await exer.wait_for_workers(1)
+            assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
+
+
 @trio_test
 async def test_remote_worker_over_tcp(workers):
     async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
@@ -1360,6 +1411,318 @@ async def test_a_crashed_heads_edge_record_is_replaced(workers, tmp_path, caplog
             assert (await exer.submit(Cores(1), where_am_i, 1))[3] == "patient"
     assert f"replacing the stale record of pid {dead.pid}" in caplog.text
     assert "stale head record" in w.log_path.read_text()
+
+
+###############################################################################
+# Bridge ######################################################################
+###############################################################################
+
+
+def _packet(text):
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack(">I", len(data)) + data
+
+
+async def _read_packet(stream):
+    head = b""
+    while len(head) < 4:
+        head += await stream.receive_some(4 - len(head))
+    (n,) = struct.unpack(">I", head)
+    body = b""
+    while len(body) < n:
+        body += await stream.receive_some(n - len(body))
+    return body.decode()
+
+
+def _local_address(stream):
+    host, port = stream.socket.getsockname()[:2]
+    return f"{host}:{port}"
+
+
+async def _upstream_rendezvous(port, session="sess1"):
+    """Upstream's head and worker, byte for byte: INIT, SUBD, the head's HEAD answer. Each
+    side's address as the bridge saw it must come through."""
+    head = await trio.open_tcp_stream("127.0.0.1", port)
+    await head.send_all(_packet(f"INIT,{session},"))
+    await trio.testing.wait_all_tasks_blocked()
+    worker = await trio.open_tcp_stream("127.0.0.1", port)
+    await worker.send_all(_packet(f"SUBD,{session},10.9.8.7:4567"))
+    with trio.fail_after(5):
+        assert await _read_packet(head) == f"{_local_address(worker)}|10.9.8.7:4567"
+        answer = await trio.open_tcp_stream("127.0.0.1", port)
+        await answer.send_all(_packet(f"HEAD,{_local_address(worker)},10.1.2.3:7654"))
+        assert await _read_packet(worker) == f"{_local_address(answer)}|10.1.2.3:7654"
+    for s in (head, worker, answer):
+        await s.aclose()
+
+
+@trio_test
+async def test_the_bridge_pairs_upstreams_rendezvous_messages():
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(grain.BridgeServer().serve, "tcp://127.0.0.1:0")
+        await _upstream_rendezvous(port)
+        await _upstream_rendezvous(port, "sess2")   # (and again: nothing left behind)
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_the_bridge_says_what_was_wrong_with_bad_input_and_serves_on(monkeypatch,
+                                                                           caplog):
+    monkeypatch.setattr(grain, "BRIDGE_WAIT_S", 0.5)
+    bad = {"malformed": (_packet("hello"), "not a message it knows"),
+           "unknown": (_packet("PING,a,b"), "not a message it knows"),
+           "oversized": (struct.pack(">I", 5000) + b"x" * 100, "5000 bytes (at most 1000)"),
+           "truncated": (struct.pack(">I", 50) + b"INIT,", "closed the connection inside"),
+           "not ascii": (_packet(b"INIT,\xff\xfe,"), "not ASCII"),
+           "silent": (b"", "said nothing for 0.5 s"),
+           "an answer nobody waits for": (_packet("HEAD,1.2.3.4:5,6.7.8.9:10"),
+                                          "who waits for no answer")}
+    with caplog.at_level(logging.INFO, logger="grain"):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(grain.BridgeServer().serve, "tcp://127.0.0.1:0")
+            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(200)]
+            for name, (data, said) in bad.items():
+                caplog.clear()
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(data)
+                if name in ("truncated", "an answer nobody waits for"):
+                    await stream.aclose()
+                with trio.fail_after(5):
+                    while not any(said in r.getMessage() for r in caplog.records):
+                        await trio.sleep(0.01)
+                assert "127.0.0.1:" in caplog.records[-1].getMessage(), name
+                await _upstream_rendezvous(port)      # it serves on
+            for s in idle:
+                await s.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bridge(tmp_path, port):
+    """A bridge process on loopback, once it listens."""
+    log_path = tmp_path / f"bridge-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([sys.executable, GRAIN, "bridge", "--listen",
+                             f"tcp://127.0.0.1:{port}"], stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT)
+    proc.log_path = log_path
+    deadline = time.monotonic() + 15
+    while "listening at" not in log_path.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
+        time.sleep(0.02)
+    return proc
+
+
+class Bridges:
+    """The bridge processes of a test, on one loopback port, all killed at its end."""
+
+    def __init__(self, tmp_path, label="site"):
+        self.tmp_path, self.port, self.procs = tmp_path, free_port(), []
+        self.url = f"bridge://{label}@127.0.0.1:{self.port}"
+
+    def start(self):
+        self.procs.append(_bridge(self.tmp_path, self.port))
+        return self.procs[-1]
+
+
+@pytest.fixture
+def bridges(tmp_path):
+    b = Bridges(tmp_path)
+    yield b
+    kill_all(b.procs)
+
+
+@pytest.mark.parametrize("order", ["bridge head workers", "workers head bridge",
+                                   "head workers bridge"])
+@trio_test
+async def test_a_mission_meets_its_workers_through_a_bridge_in_any_order(workers, bridges,
+                                                                         order):
+    def start(what):
+        if what == "bridge":
+            bridges.start()
+        for name in ("w1", "w2") if what == "workers" else ():
+            workers.start("--url", bridges.url, "--res", '{"Cores": {"N": 1}}', name=name)
+
+    before, _, after = order.partition("head")
+    for what in before.split():
+        start(what)
+    async with grain.GrainExecutor(listen=bridges.url) as exer:
+        for what in after.split():
+            start(what)
+        with trio.fail_after(60):
+            await exer.wait_for_workers(2)
+        assert all("direct through bridge 127.0.0.1:" in w.where for w in exer.workers)
+        pids = {(await j)[1] for j in [exer.submit(Cores(1), where_am_i, i, 0.2)
+                                       for i in range(6)]}
+        assert pids == {p.pid for p in workers.procs}
+
+
+async def _two_workers_join(exer, workers, url, cores=1):
+    for name in ("w1", "w2"):
+        workers.start("--url", url, "--res", json.dumps({"Cores": {"N": cores}}), name=name)
+    with trio.fail_after(30):
+        await exer.wait_for_workers(2)
+
+
+@trio_test
+async def test_with_no_direct_path_the_bridge_relays_and_ls_says_so(workers, bridges):
+    url = bridges.url + "?direct=no"   # (as if no address of the other side answered)
+    bridge = bridges.start()
+    async with grain.GrainExecutor(listen=url) as exer:
+        await _two_workers_join(exer, workers, url)
+        pids = {(await j)[1] for j in [exer.submit(Cores(1), where_am_i, i, 0.2)
+                                       for i in range(6)]}
+        assert pids == {p.pid for p in workers.procs}
+        cp = await trio.to_thread.run_sync(lambda: grain_cli("ls", "--json", "-a", url))
+        shown = json.loads(cp.stdout)["workers"]
+        assert [w["via"] for w in shown] == \
+            [f"relayed through bridge 127.0.0.1:{bridges.port}"] * 2
+    assert bridge.log_path.read_text().count("bridge: relaying between") == 3  # (+ ls)
+    assert exer.key.hex() not in bridge.log_path.read_text()
+
+
+@trio_test
+async def test_a_worker_with_another_key_never_pairs_through_the_bridge(workers, bridges,
+                                                                      tmp_path):
+    bridges.start()
+    other_key = tmp_path / "other-key"
+    async with grain.GrainExecutor(listen=bridges.url) as exer:
+        stranger = workers.start("--url", bridges.url, "--key", str(other_key),
+                                 name="stranger")
+        good = workers.start("--url", bridges.url, "--res", '{"Cores": {"N": 1}}',
+                             name="good")
+        with trio.fail_after(30):
+            await exer.wait_for_workers(1)
+        assert (await exer.submit(Cores(1), where_am_i, 1))[1] == good.pid
+        cp = await trio.to_thread.run_sync(lambda: grain_cli(
+            "ls", "-a", bridges.url, "--key", str(other_key)))
+        assert cp.returncode == 1 and f"no head is listening at {bridges.url}" in cp.stderr
+        assert [w.name for w in exer.workers] == ["good"]
+        assert stranger.poll() is None and "registered" not in stranger.log_path.read_text()
+
+
+@trio_test
+async def test_a_relayed_mission_completes_through_its_bridge_restarted(workers, bridges,
+                                                                       tmp_path):
+    # The bridge is killed while every job runs, and started again 1 s later: the head
+    # and the workers find each other through it again and the mission completes. (The
+    # jobs that ran on the relayed connections are run again: holding them for their
+    # workers, as a new head does, is still to come.)
+    url = bridges.url + "?direct=no"
+    runs = tmp_path / "runs"
+    bridge = bridges.start()
+    async with grain.GrainExecutor(listen=url) as exer:
+        await _two_workers_join(exer, workers, url, cores=2)
+        jobs = [exer.submit(Cores(1), pid_then_sleep, str(runs), 3) for _ in range(4)]
+        with trio.fail_after(10):
+            while not runs.exists() or len(runs.read_text().split()) < 4:
+                await trio.sleep(0.05)
+        bridge.kill()
+        bridge.wait()
+        await trio.sleep(1)
+        bridges.start()
+        with trio.fail_after(60):
+            done = [await j for j in jobs]
+        assert set(done) <= {p.pid for p in workers.procs}
+        assert len(exer.workers) == 2     # both came back through the new bridge
+
+
+def test_the_two_sites_example_runs_through_a_bridge(workers, tmp_path):
+    # examples/two_sites.py as its README section runs it, both "sites" on loopback: the
+    # config names the bridge; the mission's head daemon and the workers meet there.
+    bridges = Bridges(tmp_path, "campaign1")
+    config = tmp_path / "site_a.toml"
+    config.write_text(f'address = "{bridges.url}"\n[head.gnaw]\n'
+                      f'log_file = "{tmp_path}/head.log"\n')
+    try:
+        bridges.start()
+        for name in ("a1", "b1"):
+            workers.start("--url", bridges.url, "--res", '{"Cores": {"N": 2}}', name=name)
+        cp = run_py(os.path.join("examples", "two_sites.py"),
+                    env=dict(os.environ, GRAIN_CONFIG=str(config)), timeout=120)
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        assert cp.stdout.strip() == f"{socket.gethostname()}: 32 job(s)"
+    finally:
+        grain_cli("stop", "-c", str(config))
+        kill_all(bridges.procs)
+
+TWO_SITES_MISSION = """
+import json, os, sys, trio
+sys.path.insert(0, {root!r})
+import grain
+from grain.resource import Cores
+
+async def where(i):
+    import os, trio
+    await trio.sleep(0.3)
+    return i, os.getpid()
+
+async def main():
+    async with grain.GrainExecutor(listen={url!r}) as exer:
+        with trio.fail_after(60):
+            await exer.wait_for_workers(2)
+        results = [await j for j in [exer.submit(Cores(1), where, i) for i in range(6)]]
+        print(json.dumps({{"results": results, "via": [w.via for w in exer.workers]}}))
+
+trio.run(main)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("ip"),
+                    reason="making network namespaces needs root and iproute2")
+def test_two_sites_that_cannot_reach_each_other_run_one_mission_through_the_bridge(tmp_path):
+    # Three namespaces made here: site A (the head), site B (two workers) and the bridge's,
+    # which each site reaches over a veth pair of its own. Nothing routes between A and B.
+    tag = f"g{os.getpid() % 10 ** 6}"
+    a, b, br = f"{tag}a", f"{tag}b", f"{tag}r"
+    setup = [f"netns add {ns}" for ns in (a, b, br)]
+    for site, net in ((a, "10.251.1"), (b, "10.251.2")):
+        setup += [f"link add {site}0 type veth peer name {site}1",
+                  f"link set {site}0 netns {site}", f"link set {site}1 netns {br}",
+                  f"-n {site} addr add {net}.2/24 dev {site}0", f"-n {site} link set {site}0 up",
+                  f"-n {site} link set lo up",
+                  f"-n {br} addr add {net}.1/24 dev {site}1", f"-n {br} link set {site}1 up"]
+    env = dict(os.environ, HOME=str(tmp_path))   # (one key, on the "shared filesystem")
+    procs = []
+    try:
+        for command in setup:
+            cp = subprocess.run(["ip", *command.split()], capture_output=True, text=True)
+            if cp.returncode != 0:
+                pytest.skip(f"cannot make the namespaces here: ip {command}: {cp.stderr}")
+        subprocess.run(["ip", "-n", br, "link", "set", "lo", "up"], check=True)
+        unreachable = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c",
+                                      "import socket; socket.create_connection(('10.251.2.2',"
+                                      " 9), timeout=2)"], capture_output=True, text=True)
+        assert "Network is unreachable" in unreachable.stderr   # (A cannot reach B at all)
+        bridge_log = open(tmp_path / "bridge.log", "w")
+        procs.append(subprocess.Popen(["ip", "netns", "exec", br, sys.executable, GRAIN,
+                                       "bridge"], stdout=bridge_log, stderr=subprocess.STDOUT,
+                                      env=env))
+        for i in range(2):
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", b, sys.executable, GRAIN, "worker", "--name",
+                 f"b{i}", "--url", "bridge://site@10.251.2.1:9555", "--res",
+                 '{"Cores": {"N": 1}}'], stdout=open(tmp_path / f"b{i}.log", "w"),
+                stderr=subprocess.STDOUT, env=env))
+        script = tmp_path / "mission.py"
+        script.write_text(TWO_SITES_MISSION.format(root=HERE,
+                                                   url="bridge://site@10.251.1.1:9555"))
+        mission = subprocess.run(["ip", "netns", "exec", a, sys.executable, str(script)],
+                                 capture_output=True, text=True, env=env, timeout=120)
+        assert mission.returncode == 0, mission.stderr[-3000:]
+        out = json.loads(mission.stdout.strip().splitlines()[-1])
+        assert [r[0] for r in out["results"]] == list(range(6))
+        assert {r[1] for r in out["results"]} == {p.pid for p in procs[1:]}
+        assert out["via"] == ["relayed through bridge 10.251.1.1:9555"] * 2
+    finally:
+        kill_all(procs)
+        for ns in (a, b, br):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
 
 
 ###############################################################################
