@@ -49,10 +49,12 @@ def free_port():
 
 
 def grainpy_worker(edge, cores, name):
-    """A grain.py worker process, started as the job scripts of `grain.py up` start one."""
+    """A grain.py worker process, started as the job scripts of `grain.py up` start one
+    (``edge``: the Edge file's path, or any URL)."""
     import grain
     return subprocess.Popen(
-        grain.boot_argv(sys.executable, GRAIN_PY, "worker", "--url", f"edge://{edge}",
+        grain.boot_argv(sys.executable, GRAIN_PY, "worker", "--url",
+                        edge if "://" in edge else f"edge://{edge}",
                         "--name", name, "--res", '{"Cores": {"N": %d}}' % cores,
                         "--oversubscribe"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

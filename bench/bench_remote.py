@@ -1,7 +1,7 @@
 """2. Remote throughput and 3. latency, through worker processes on loopback.
 
     python bench/bench_remote.py [--impl grainpy|upstream|dask] [N] [--workers W]
-                                 [--cores C] [--latency] [--results]
+                                 [--cores C] [--latency] [--results] [--url URL]
 
 Starts W worker processes of C cores (default 1 and 8, as bench_local.py's worker; ids past
 the machine's real cores are virtual), waits until all have joined, runs 200 warm-up jobs,
@@ -10,7 +10,8 @@ then N no-op Cores(1) jobs through the delayed API: the last line is tasks/s. Wi
 to result): the last line is "p50 X ms p99 Y ms". With --results (grain.py), the mission
 keeps a results store (a new one, in the temporary directory).
 
-grainpy: the head listens on an Edge file; workers are `grain.py worker --url edge://...`.
+grainpy: the head listens on an Edge file (or at --url, e.g. tcp://127.0.0.1:0 or a
+bridge://); workers are `grain.py worker --url edge://...` (or that URL).
 upstream: its pure-Python head on tcp://127.0.0.1 ([head.gnaw] enabled = false); workers
 are `python -m grain.worker --url ... --res ...`. Dask: LocalCluster(processes=True) with
 W workers of C threads and C "cores" of resources."""
@@ -42,6 +43,10 @@ if LATENCY:
 RESULTS = "--results" in ARGS
 if RESULTS:
     ARGS.remove("--results")
+URL = None
+if "--url" in ARGS:
+    URL = ARGS.pop(ARGS.index("--url") + 1)
+    ARGS.remove("--url")
 N = int(ARGS[0]) if ARGS else 20_000
 
 
@@ -74,8 +79,10 @@ def grainpy():
         procs = []
         store = os.path.join(os.path.dirname(edge), "results.db") if RESULTS else None
         try:
-            async with grain.GrainExecutor(listen=f"edge://{edge}", results=store) as exer:
-                procs += [_peers.grainpy_worker(edge, CORES, f"w{i}") for i in range(WORKERS)]
+            async with grain.GrainExecutor(listen=URL or f"edge://{edge}",
+                                           results=store) as exer:
+                url = exer.urls.get("tcp", URL) if URL else edge
+                procs += [_peers.grainpy_worker(url, CORES, f"w{i}") for i in range(WORKERS)]
                 await exer.wait_for_workers(WORKERS)
                 return await measure(each, lambda: (noop @ Cores(1))())
         finally:  # the head has told its workers to leave as it closed
