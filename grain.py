@@ -2053,6 +2053,7 @@ MESSAGES = {
     "fin": (),                               # head -> worker: leave after your jobs
     "drain": (),                             # head -> worker: take no more, then leave
     "leave": (),                             # head -> worker: stop your jobs and leave now
+    "head": ("instance",),                   # head -> worker: which head it is (see Reunion)
     "leaving": ("why",),                     # worker -> head: re-queue what I run
 }
 # (fewest, most) fields of each message
@@ -4947,6 +4948,7 @@ class RemoteWorker(Worker):
         self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
         self.known_functions = set()
         self.via = getattr(channel.stream, "via", None)  # met through a bridge: how
+        self.ours = False  # it came back to the head it had left (see Reunion)
 
     where = property(lambda self: f"pid {self.pid} on {self.host}" +
                      (f", {self.via}" if self.via else ""))
@@ -4986,7 +4988,7 @@ class RemoteWorker(Worker):
             self.owner.job_reported(job, ok, data, duration, kind, self.name)
         else:  # one it ran while it had no head: it may be what a job waits for
             self.release_orphan(jid)
-            self.owner.reunion.worker_finished(jid, (ok, data, duration, kind))
+            self.owner.reunion.worker_finished(jid, (ok, data, duration, kind), self.ours)
 
     def release_orphan(self, jid):
         """A job this worker came back with ended: its resources take queued jobs now."""
@@ -5495,7 +5497,9 @@ class Reunion:
     comes back with that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
     comes first, the job or its worker's report, the other finds it: a report finds a job
     that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
-    (Only string wire ids outlive a head: a store's keys, a mission's token and id.)
+    (Only string wire ids outlive a head: a store's keys, a mission's token and id. A
+    head's own numbers are claimed only by a worker that comes back to that same head,
+    which tells its workers who it is (``instance``): see HeadCore.job_held.)
     ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
     def __init__(self, deliver, clock=_now, claim=lambda wire: None):
@@ -5504,6 +5508,7 @@ class Reunion:
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.failed = {}         # wire -> a failure reported while jobs are held (see below)
+        self.own_hold = set()    # wires of jobs held with a hold of their own (job_held)
         self.hold_until = clock() + REJOIN_WAIT_S
 
     def offer(self, job, hold=False):
@@ -5521,13 +5526,14 @@ class Reunion:
             return False
         return True
 
-    def worker_runs(self, w, wire, alloc):
-        """A worker came back still running the job ``wire`` with ``alloc``."""
+    def worker_runs(self, w, wire, alloc, ours=False):
+        """A worker came back still running the job ``wire`` with ``alloc`` (``ours``: to
+        the head it left, whose own numbers it may be)."""
         if not isinstance(alloc, Resource):
             raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
         w.res.claim(alloc)
         w.running += 1
-        job = self._claimed(wire)
+        job = self._claimed(wire, ours)
         if job is not None:
             _adopt(job, w, alloc)
             return
@@ -5537,7 +5543,7 @@ class Reunion:
         else:
             self.running[wire] = (w, self.clock())
 
-    def worker_finished(self, wire, result):
+    def worker_finished(self, wire, result, ours=False):
         """A worker reports the result of a job that ended while it had no head. A failure
         waits for the end of the hold: it may be one the last head retried on another
         worker, which comes back with the job's success (that one wins)."""
@@ -5546,16 +5552,17 @@ class Reunion:
             self.failed[wire] = result
             return
         self.failed.pop(wire, None)
-        job = self._claimed(wire)
+        job = self._claimed(wire, ours)
         if job is not None:
             self.deliver(job, *result)
         elif type(wire) is str:
             self.finished[wire] = (result, self.clock())
 
-    def _claimed(self, wire):
-        """The job ``wire`` if it waits here, held or queued (taken out), else None."""
+    def _claimed(self, wire, ours=False):
+        """The job ``wire`` if it waits here, held or queued (taken out), else None. A
+        number is only this head's own (``ours``), held by job_held."""
         if type(wire) is not str:
-            return None
+            return self.held.pop(wire, None) if ours and wire in self.own_hold else None
         job = self.held.pop(wire, None)
         return job if job is not None else self.claim(wire)
 
@@ -5576,7 +5583,9 @@ class Reunion:
         failed, self.failed = self.failed, {}
         for wire, result in failed.items():  # no worker had a success for these
             self.worker_finished(wire, result)
-        held, self.held = list(self.held.values()), {}
+        held = [job for wire, job in self.held.items() if wire not in self.own_hold]
+        for job in held:
+            del self.held[job.wire]
         if held:
             log.warning("%d job(s) that were running when the last head went run again: "
                         "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
@@ -5622,11 +5631,12 @@ class HeadCore:
         self.retries = retries
         self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
         self.closing = False
+        self.instance = os.urandom(8).hex()  # which head this is, for workers that return
 
     def start(self, nursery, push):
         """Its tasks: the reunion (its hold counts from now; held jobs go to ``push``), and
         the warnings of stuck queues."""
-        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
+        self.reunion, self._tasks = Reunion(self.deliver, claim=self.scheduler.claim), nursery
         nursery.start_soon(self.reunion.run, push)
         nursery.start_soon(warn_of_stuck_queues, self.scheduler)
 
@@ -5657,6 +5667,25 @@ class HeadCore:
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
         self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
         self.pump()
+
+    def job_held(self, job, why):
+        """A job whose worker's connection went as a relay goes (with its bridge), not
+        its worker: held REJOIN_WAIT_S for the worker to come back to this head with it
+        (Reunion), else interrupted as lost."""
+        w = self.scheduler.release(job)
+        job.attempts -= 1  # (counted again when the worker comes back with it)
+        self.reunion.held[job.wire] = job
+        self.reunion.own_hold.add(job.wire)
+        self._tasks.start_soon(self._release_held, job, w, why)
+
+    async def _release_held(self, job, w, why):
+        await trio.sleep(REJOIN_WAIT_S)
+        self.reunion.own_hold.discard(job.wire)
+        if self.reunion.held.get(job.wire) is job:
+            del self.reunion.held[job.wire]
+            job.attempts += 1
+            self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
+            self.pump()
 
     def job_cancelled(self, job):
         """A job cancelled as asked (its mission went away): it ends, with no result."""
@@ -5770,9 +5799,11 @@ class HeadService:
         self.joined_job_ids.add(info.get("job_id"))
         if self.job_book is not None and info.get("job_id"):
             await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
+        w.ours = info.get("head") == self.owner.instance
+        w.channel.send(("head", self.owner.instance))
         try:
             for wire, alloc in (info.get("resume") or {}).items():  # it ran them while alone
-                self.owner.reunion.worker_runs(w, wire, alloc)
+                self.owner.reunion.worker_runs(w, wire, alloc, w.ours)
         except PeerError as e:  # the jobs adopted from it so far go back to the queue
             self.owner.reunion.worker_left(w)
             w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
@@ -5794,9 +5825,16 @@ class HeadService:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
                 why, kind = f"retired ({w.leaving})", RETRY_RETIRED
+            relay_went = why.endswith("(its connection closed)") and w.via is not None and \
+                w.via.startswith("relayed")  # (its bridge went, probably, not the worker)
             if w.jobs:
-                log.warning("worker %s %s with %d job(s) running; re-queueing them",
-                            w.name, why, len(w.jobs))
+                log.warning("worker %s %s with %d job(s) running; %s", w.name, why,
+                            len(w.jobs), f"holding them {REJOIN_WAIT_S:g} s for it to come "
+                            "back" if relay_went else "re-queueing them")
+            if relay_went:
+                jobs, w.jobs = list(w.jobs.values()), {}
+                for job in jobs:
+                    self.owner.job_held(job, why)
             w.interrupt_all(kind, why)
 
     async def say_goodbye(self, abort=False):
@@ -7410,6 +7448,7 @@ class WorkerProcess:
         self.recent = deque()    # (time, message) of results sent lately
         self.functions = {}      # digest -> function (or the exception loading it raised)
         self.running = {}        # job id -> (CancelScope, allocation)
+        self.head = None         # the instance of the head it serves (or lost), if it said
         self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
         self.state, self.why, self.until = "serving", None, None
         self._nursery = None
@@ -7453,6 +7492,7 @@ class WorkerProcess:
                 self._nursery.start_soon(self._watch_walltime)
             else:
                 hello["resume"] = {jid: alloc for jid, (_, alloc) in self.running.items()}
+                hello["head"] = self.head
             channel.send(("register", dict(hello, res=self.res)))
             log.info("worker %s %s with %r", self.name,
                      "registered again" if "resume" in hello else "registered", self.res)
@@ -7476,6 +7516,7 @@ class WorkerProcess:
 
     async def _receive(self, channel):
         handlers = {"fn": self.on_function, "run": self.on_run, "ping": _ignore,
+                    "head": functools.partial(setattr, self, "head"),
                     "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
                     "cancel": self.on_cancel}
         try:
@@ -7494,9 +7535,11 @@ class WorkerProcess:
             log.warning("lost the head (%s); leaving", how)
             self.state, self.why = "gone", f"lost the head ({how})"
             return False
-        kept = sum(type(jid) is str for jid in self.running)
+        # The head's own numbers: only that head can claim them, if it comes back (its
+        # relay went, say); one that never said who it is cannot.
+        kept = sum(type(jid) is str or self.head is not None for jid in self.running)
         for jid, (scope, _) in self.running.items():
-            if type(jid) is not str:  # the old head's number: no new head can claim it
+            if type(jid) is not str and self.head is None:
                 scope.cancel()
         # Of the results of one job, only the last goes again, and none while it runs: the
         # head ran it again after the earlier (a retry), which a new head must not retry.
@@ -7514,7 +7557,7 @@ class WorkerProcess:
     async def _look_for_head(self, reconnect):
         """A stream to a new head at our address; None when none came within reattach."""
         with trio.move_on_at(self.until), trio.CancelScope() as self._attending:
-            while any(type(jid) is not str for jid in self.running):
+            while self.head is None and any(type(jid) is not str for jid in self.running):
                 await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
             while True:
                 try:
