@@ -3,11 +3,14 @@ a markdown table of the medians.
 
     bash bench/setup.sh                 # once: the three virtualenvs under bench/.venvs/
     python bench/compare.py [--rounds 5] [--only NAME ...] [--no-dask]
-    python bench/compare.py --vs DIR [--rounds 5] [--only NAME ...]
+    python bench/compare.py --vs REF|DIR|BASELINE [--rounds 5] [--only NAME ...]
 
---vs DIR compares this checkout's grain.py with another checkout's (a git worktree of the
-commit before a change, say), running each benchmark from its own checkout, alternating;
-it needs only the grainpy venv (or runs under this Python).
+--vs compares this checkout's grain.py with another's, running each benchmark from its own
+checkout, alternating; it needs only the grainpy venv (or runs under this Python). REF is
+a commit (checked out for the run in a temporary git worktree beside this one, removed
+after), DIR a checkout, BASELINE the commit bench/BASELINE names: the fixed reference
+every change to the per-job path is measured against (moved forward only when a change
+is faster), not the start of one's own work.
 
 Each figure is measured in rounds, and within a round every implementation runs once in
 turn (grain.py, upstream, Dask, then again), so that a slow minute of a shared machine
@@ -21,6 +24,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENVS = os.path.join(HERE, ".venvs")
@@ -108,10 +112,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="*", choices=[b[0] for b in BENCHMARKS])
     ap.add_argument("--no-dask", action="store_true")
-    ap.add_argument("--vs", metavar="DIR", help="compare with the grain.py of checkout DIR")
+    ap.add_argument("--vs", metavar="REF", help="compare with the grain.py of commit REF, "
+                    "of checkout REF (a directory), or of bench/BASELINE's commit (BASELINE)")
     opts = ap.parse_args()
+    if opts.vs and os.path.isdir(opts.vs):
+        return compare_checkouts(opts, opts.vs)
     if opts.vs:
-        return compare_checkouts(opts)
+        return compare_commit(opts)
     rows = []
     for name, args, impls, figures in BENCHMARKS:
         if opts.only and name not in opts.only:
@@ -134,9 +141,28 @@ def main():
         print("| " + " | ".join(row) + " |")
 
 
-def compare_checkouts(opts):
-    """This grain.py against the one in ``opts.vs``, alternating within each round."""
-    other = os.path.join(os.path.abspath(opts.vs), "bench")
+def compare_commit(opts):
+    """--vs REF: that commit checked out beside this one for the run."""
+    ref = opts.vs
+    if ref == "BASELINE":
+        with open(os.path.join(HERE, "BASELINE")) as f:
+            ref = f.read().split()[0]
+    where = tempfile.mkdtemp(prefix="grain-vs-")
+    git = ["git", "-C", os.path.dirname(HERE)]
+    cp = subprocess.run(git + ["worktree", "add", "--detach", where, ref],
+                        capture_output=True, text=True)
+    if cp.returncode != 0:
+        sys.exit(f"compare.py: --vs {opts.vs}: cannot check out {ref}: {cp.stderr.strip()}")
+    try:
+        return compare_checkouts(opts, where, ref)
+    finally:
+        subprocess.run(git + ["worktree", "remove", "--force", where], capture_output=True)
+
+
+def compare_checkouts(opts, checkout, called=None):
+    """This grain.py against the one in ``checkout`` (``called`` so in the table),
+    alternating within each round."""
+    other, called = os.path.join(os.path.abspath(checkout), "bench"), called or checkout
     rows = []
     for name, args, _, figures in BENCHMARKS:
         if opts.only and name not in opts.only:
@@ -153,7 +179,7 @@ def compare_checkouts(opts):
     print(f"{datetime.date.today()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, `python bench/compare.py --vs {opts.vs} --rounds "
           f"{opts.rounds}`: medians, the two alternating within each round.\n")
-    print(f"| figure | this checkout | {opts.vs} | ratio | rounds (this) | rounds ({opts.vs}) |")
+    print(f"| figure | this checkout | {called} | ratio | rounds (this) | rounds ({called}) |")
     print("|---|---:|---:|---:|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
