@@ -2670,8 +2670,9 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 # head takes the stream that says so. When no stream opens within BRIDGE_DIRECT_S, both
 # ask the bridge to relay ("RELAY,label,<the other's public address>", our own message)
 # and it splices the two connections. On the chosen stream the grain handshake runs, and
-# every frame after it is sealed: the bridge and the path see the label (an HMAC of the
-# URL's label under the key, never the key), addresses and sizes, never a job.
+# every frame after it is sealed: the bridge sees the label (an HMAC of the URL's label
+# under the key, never the key) and addresses, and a relay the frames' bytes (sealed, not
+# encrypted): it could read a job, never forge, alter or replay one.
 
 BRIDGE_PORT = 9555
 BRIDGE_PACKET = 1000      # bytes of one bridge message at most (upstream's limit)
