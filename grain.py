@@ -2002,11 +2002,23 @@ def _create_key_file(path):
         os.unlink(tmp)
 
 
-def load_auth_key(path=None):
-    """The shared secret: 32 random bytes in a file only its owner can read.
+class AuthKey(bytes):
+    """The shared secret, and, when the config names a certificate, the TLS contexts
+    ``tls`` = (as the listener, as the dialer) that wrap each TCP stream (authenticate)."""
+    tls = None
 
-    Created (mode 0600) on first use; a key file that group or others can read is refused,
-    as ssh refuses such private keys."""
+
+def _refuse_if_shared(path, mode, what):
+    if mode & 0o077:  # (as ssh refuses such private keys)
+        raise GrainError(f"{what} {path} is readable by others (mode "
+                         f"{stat.S_IMODE(mode):04o}); fix it with `chmod 600 {path}`")
+
+
+def load_auth_key(path=None, tls_cert="", tls_key=""):
+    """The shared secret: 32 random bytes in a file only its owner can read, created (mode
+    0600) on first use. With ``tls_cert`` (and ``tls_key``, when the key is not in the
+    same file), the TLS contexts of that certificate, which every side holds, as it holds
+    the key: a dialer trusts that certificate alone, whatever the listener's host name."""
     path = os.path.abspath(os.path.expanduser(path or default_key_path()))
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -2014,14 +2026,26 @@ def load_auth_key(path=None):
         _create_key_file(path)
         fd = os.open(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if mode & 0o077:
-            raise GrainError(f"key file {path} is readable by others (mode "
-                             f"{stat.S_IMODE(mode):04o}); fix it with `chmod 600 {path}`")
-        key = f.read()
+        _refuse_if_shared(path, os.fstat(f.fileno()).st_mode, "key file")
+        key = AuthKey(f.read())
     if len(key) < 16:
         raise GrainError(f"key file {path} holds {len(key)} bytes; it needs at least 16 "
                          "(delete it and grain makes a new one)")
+    if tls_cert:
+        import ssl
+
+        tls_key = tls_key or tls_cert
+        try:
+            _refuse_if_shared(tls_key, os.stat(tls_key).st_mode, "TLS key file")
+            listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            listener.load_cert_chain(tls_cert, tls_key)
+            dialer = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            dialer.check_hostname = False  # (the certificate is pinned: names vary by site)
+            dialer.load_verify_locations(tls_cert)
+        except (OSError, ssl.SSLError) as e:
+            raise GrainError(f"cannot use TLS certificate {tls_cert} with key {tls_key}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+        key.tls = (listener, dialer)
     return key
 
 
@@ -2213,16 +2237,30 @@ async def _receive_exactly(stream, n, during="during the handshake",
 
 
 async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
-    """Run the handshake on a fresh stream; raises AuthenticationError if it fails. The
-    stream then carries its Seal (``stream.seal``) to the Channel that speaks over it."""
+    """The fresh ``stream``, once the handshake passed on it (AuthenticationError if not),
+    and under TLS first when ``key.tls`` and it is TCP; it carries its Seal
+    (``stream.seal``) to the Channel that speaks over it."""
     hs = Handshake(key, dialer)
     with trio.move_on_after(timeout) as scope:
+        if getattr(key, "tls", None) and getattr(stream, "socket", None) is not None \
+                and stream.socket.family != socket.AF_UNIX:
+            tls = trio.SSLStream(stream, key.tls[dialer], server_side=not dialer)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as e:
+                raise AuthenticationError(f"no TLS session ({e.__cause__ or e}); do both "
+                                          "sides name the same tls_cert?") from None
+            for name in ("socket", "peer", "via"):  # (what _peer_name and ls read)
+                if hasattr(stream, name):
+                    setattr(tls, name, getattr(stream, name))
+            stream = tls
         await stream.send_all(hs.hello())
         peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
         await stream.send_all(hs.proof(peer_hello))
         stream.seal = hs.verify(await _receive_exactly(stream, AUTH_PROOF))
     if scope.cancelled_caught:
         raise AuthenticationError(f"no handshake within {timeout:g} s")
+    return stream
 
 
 def _peer_name(stream):
@@ -2326,8 +2364,7 @@ async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
                 why = f"{e.strerror or e}"
                 continue
             try:
-                await authenticate(stream, key, dialer=True)
-                return stream
+                return await authenticate(stream, key, dialer=True)
             except (AuthenticationError, OSError, trio.BrokenResourceError) as e:
                 why = f"{e}"
                 await stream.aclose()
@@ -2337,15 +2374,13 @@ async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
 
 
 async def _admitted(stream, key):
-    """Does the peer of an incoming ``stream`` pass the handshake (we listen)? If not, the
-    stream is closed, with a warning naming the peer."""
+    """An incoming ``stream`` once its peer passed the handshake (we listen); if it did
+    not, None, the stream closed with a warning naming the peer."""
     try:
-        await authenticate(stream, key, dialer=False)
-        return True
+        return await authenticate(stream, key, dialer=False)
     except (PeerError, OSError, trio.BrokenResourceError) as e:
         log.warning("refused a connection from %s: %s", _peer_name(stream), e)
         await stream.aclose()
-        return False
 
 
 async def accept_one(listeners, key):
@@ -2357,8 +2392,8 @@ async def accept_one(listeners, key):
 
     async def accept_from(listener):
         while True:
-            stream = await listener.accept()
-            if await _admitted(stream, key):
+            stream = await _admitted(await listener.accept(), key)
+            if stream is not None:
                 try:
                     send.send_nowait(stream)
                 except trio.WouldBlock:
@@ -2389,7 +2424,8 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
     Edge file, once its record is written (a live head's record there is a GrainError)."""
     async def on_accept(stream):
         peer = _peer_name(stream)  # (now: it may hang up later)
-        if await _admitted(stream, key):
+        stream = await _admitted(stream, key)
+        if stream is not None:
             await handler(stream, peer)
 
     scheme, _, where = parse_url(url)
@@ -2869,7 +2905,7 @@ async def _connect_bridge(url, key, wait):
             with trio.fail_after(math.inf if wait else CLI_TIMEOUT_S):
                 stream = await _meet(host, port, label, options)
                 try:
-                    await authenticate(stream, key, dialer=True)
+                    stream = await authenticate(stream, key, dialer=True)
                 except BaseException:
                     await trio.aclose_forcefully(stream)
                     raise
@@ -2906,8 +2942,9 @@ class BridgeServer:
             listeners = await trio.open_tcp_listeners(port, host=host or None)
         except OSError as e:
             raise ListenError(f"cannot listen at {url}: {e.strerror or e}") from None
-        log.info("bridge listening at %s", url)
-        task_status.started(listeners[0].socket.getsockname()[1])
+        port = listeners[0].socket.getsockname()[1]
+        log.info("bridge listening at tcp://%s:%d", host, port)
+        task_status.started(port)
         await trio.serve_listeners(self.handle, listeners)
 
     async def handle(self, stream):
@@ -3503,6 +3540,8 @@ class RoleSettings:
                                     .join(map(repr, BATCH_SYSTEMS)) + " (or \"\" for none)"), _ALL)
     address: str = setting("", None, _ALL, path=True)
     auth_key: str = setting("", None, _ALL, path=True)
+    tls_cert: str = setting("", None, _ALL, path=True)  # "": no TLS (see load_auth_key)
+    tls_key: str = setting("", None, _ALL, path=True)   # "": in the tls_cert file
     contextmod: str = setting("", None, _ALL, path=True)
     name: str = setting("", None, _ROLES)
     log_file: str = setting("", None, _ROLES, path=True)  # [head]: where local jobs print
@@ -3889,6 +3928,9 @@ def worker_command(s, grain_path=None):
         argv += ["--sworker", s.specialized_type]
     if s.auth_key:
         argv += ["--key", os.path.abspath(os.path.expanduser(s.auth_key))]
+    for flag, path in (("--tls-cert", s.tls_cert), ("--tls-key", s.tls_key)):
+        if path:
+            argv += [flag, os.path.abspath(path)]
     argv += ["--reattach", f"{s.reattach:g}s"]
     return " ".join(shlex.quote(a) for a in argv)
 
@@ -6988,7 +7030,8 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     waddrs = executor_args[0] if executor_args else executor_kwargs.get("waddrs", ())
     own_head = (len(executor_args) > 1 or "rpw" in executor_kwargs or waddrs
                 or not head.gnaw_enabled or worker.specialized_type)
-    key = load_auth_key(head.auth_key or None) if (address or waddrs) else None
+    key = load_auth_key(head.auth_key or None, head.tls_cert, head.tls_key) \
+        if (address or waddrs) else None
     main_file = os.path.abspath(sys.argv[0] or ".")
     here = os.path.dirname(main_file) if os.path.isfile(main_file) else os.getcwd()
     for option in ("results", "report"):  # files beside the mission's script
@@ -7673,12 +7716,12 @@ class WorkerProcess:
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
                       key_path=None, max_frame=MAX_FRAME, oversubscribe=False, sworker=None,
-                      reattach=REATTACH_S):
+                      reattach=REATTACH_S, tls=("", "")):
     """Run a worker until it leaves. Returns the exit code. With ``sworker`` (a specialized
     worker type), keep the module's grain_run_sworker() running while registered: the
     head runs the jobs, with what it yielded. ``reattach``: seconds it keeps its jobs for
-    a new head when its head is lost."""
-    key = load_auth_key(key_path)
+    a new head when its head is lost. ``tls``: the certificate and key of load_auth_key."""
+    key = load_auth_key(key_path, *tls)
     context = load_context(context_file, "--context") if context_file else None
     # Its batch job, as the submit command named it, so the head knows which submission
     # has joined.
@@ -8428,7 +8471,11 @@ _COMMAND_LINE = [
                               "process keeps the module's grain_run_sworker() running")),
         (("--reattach",), dict(metavar="DURATION", help="when the head is lost, keep running "
                                "its jobs this long for a new head, e.g. 10m, 0 to leave at "
-                               "once (default: worker.reattach, 10m)"))]),
+                               "once (default: worker.reattach, 10m)")),
+        (("--tls-cert",), dict(metavar="PEM", help="speak TLS with this certificate "
+                               "(default: worker.tls_cert)")),
+        (("--tls-key",), dict(metavar="PEM", help="its private key (default: "
+                              "worker.tls_key, else in the --tls-cert file)"))]),
     ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, [
         (("--watch",), dict(nargs="?", const=2.0, type=float, metavar="SECONDS",
                             help="show it again every SECONDS (default 2), in place")),
@@ -8513,14 +8560,16 @@ def _cmd_worker(args):
         raise UsageError("--name takes a name, got an empty one")
     # (quietly: a worker without a config file is the common case)
     config = find_config_path(args.config)
-    reattach = load_config(config).role("worker").reattach if config else REATTACH_S
+    s = load_config(config).role("worker") if config else RoleSettings("worker")
+    reattach = s.reattach
     if args.reattach is not None:  # (a ValueError is bad input too: exit code 2)
         reattach = parse_duration(args.reattach, "--reattach")
     return trio_run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,
                                       max_frame=args.max_frame, sworker=args.sworker or None,
-                                      reattach=reattach))
+                                      reattach=reattach, tls=(args.tls_cert or s.tls_cert,
+                                                              args.tls_key or s.tls_key)))
 
 
 class _CliTarget(namedtuple("_CliTarget", "settings address key why")):
@@ -8546,7 +8595,8 @@ def _cli_target(args):
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
         return _CliTarget(s, args.address or s.cli_dial, None, f"{origin}; no key file at "
                           f"{key_path} either: a head makes its key when it starts")
-    return _CliTarget(s, args.address or s.cli_dial, load_auth_key(key_path), origin)
+    return _CliTarget(s, args.address or s.cli_dial,
+                      load_auth_key(key_path, s.tls_cert, s.tls_key), origin)
 
 
 def submitted_jobs(book, s, joined):
@@ -8593,7 +8643,7 @@ def _cmd_head(args):
         parse_url(args.address)
         s, worker = replace(s, listen=args.address), replace(worker, dial=args.address)
     idle_quit = parse_duration(args.idle_quit, "--idle-quit") if args.idle_quit else None
-    key = load_auth_key(args.key or s.auth_key or None)
+    key = load_auth_key(args.key or s.auth_key or None, s.tls_cert, s.tls_key)
     return trio_run(head_main, s, worker, key, idle_quit)
 
 

@@ -1181,6 +1181,22 @@ def test_key_file_is_created_private_and_a_readable_one_is_refused(tmp_path):
     assert cp.returncode == 1 and "chmod 600" in cp.stderr and "Traceback" not in cp.stderr
 
 
+def test_a_tls_certificate_that_cannot_be_used_is_one_line_naming_it(tmp_path):
+    cert, private = _tls_pair(tmp_path)
+    key = tmp_path / "key"
+    assert grain.load_auth_key(str(key), cert, private).tls is not None
+    with pytest.raises(grain.GrainError, match=r"cannot use TLS certificate .*nope.crt.*No such"):
+        grain.load_auth_key(str(key), str(tmp_path / "nope.crt"))
+    with pytest.raises(grain.GrainError, match=r"cannot use TLS certificate .*: .*PEM"):
+        grain.load_auth_key(str(key), str(key))  # (not a certificate)
+    pathlib.Path(private).chmod(0o640)
+    toml = tmp_path / "grain.toml"
+    toml.write_text(f'auth_key = "{key}"\ntls_cert = "{cert}"\ntls_key = "{private}"\n')
+    cp = grain_cli("ls", "-c", str(toml), "-a", "tcp://127.0.0.1:1")
+    assert cp.returncode == 1 and "Traceback" not in cp.stderr
+    assert f"TLS key file {private} is readable by others (mode 0640)" in cp.stderr
+
+
 def test_key_file_made_by_eight_processes_at_once_is_read_whole_by_all(tmp_path):
     # `up -n 2` on a fresh home: the workers race to make the key. Each process waits at a
     # barrier (a file appearing), then loads the key; all must get the same 32 bytes, none
@@ -1315,6 +1331,70 @@ async def test_a_frame_altered_dropped_replayed_or_injected_closes_its_connectio
             w = workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
             await exer.wait_for_workers(1)
             assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
+
+
+def _tls_pair(tmp_path):
+    """A self-signed certificate and its key, made as the README says."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=grain",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    key.chmod(0o600)
+    return str(cert), str(key)
+
+
+async def _recording_proxy(nursery, port, seen):
+    """A port forwarding to 127.0.0.1:``port`` that keeps in ``seen`` the bytes it passes
+    (what anyone on the path sees)."""
+    async def handle(client):
+        async with client, await trio.open_tcp_stream("127.0.0.1", port) as server:
+            async with trio.open_nursery() as both:
+                async def pipe(a, b):
+                    with contextlib.suppress(trio.BrokenResourceError, OSError):
+                        async for data in a:
+                            seen.extend(data)
+                            await b.send_all(data)
+                    both.cancel_scope.cancel()
+                both.start_soon(pipe, client, server)
+                both.start_soon(pipe, server, client)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"),
+                                    handle, 0)
+    return listeners[0].socket.getsockname()[1]
+
+
+@pytest.mark.parametrize("tls", [True, False])
+@trio_test
+async def test_with_tls_in_the_config_the_path_cannot_read_a_job(workers, tmp_path, caplog,
+                                                                   tls):
+    # The worker runs the line a job script would (worker_command), from a config naming
+    # the certificate; a recording proxy between it and the head sees the bytes.
+    cert, private = _tls_pair(tmp_path)
+    key = grain.load_auth_key(str(tmp_path / "key"), *((cert, private) if tls else ()))
+    secret, seen = "the-molecule-nobody-else-may-see", bytearray()
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with trio.open_nursery() as nursery, \
+                grain.GrainExecutor(listen="tcp://127.0.0.1:0", key=key) as exer:
+            proxy = await _recording_proxy(nursery, int(exer.urls["tcp"].rsplit(":", 1)[1]),
+                                           seen)
+            toml = tmp_path / "grain.toml"
+            toml.write_text(f'address = "tcp://127.0.0.1:{proxy}"\nauth_key = "{tmp_path}/key"\n'
+                            + (f'tls_cert = "{cert}"\ntls_key = "{private}"\n' if tls else ""))
+            line = grain.worker_command(grain.load_config(str(toml)).role("worker"))
+            assert ("--tls-cert" in line) == tls
+            w = workers.start(*shlex.split(line)[3:], "--res", '{"Cores": {"N": 1}}')
+            if tls:  # a worker that does not speak TLS is refused, saying why
+                workers.start("--url", f"tcp://127.0.0.1:{proxy}", "--key",
+                                      str(tmp_path / "key"), "--reattach", "0", name="plain")
+            await exer.wait_for_workers(1)
+            assert (await exer.submit(Cores(1), where_am_i, secret))[:2] == (secret, w.pid)
+            with trio.fail_after(10):
+                while tls and not any("no TLS session" in r.getMessage()
+                                      for r in caplog.records):
+                    await trio.sleep(0.05)
+            assert [x.name for x in exer.workers] == ["w"]
+            nursery.cancel_scope.cancel()
+    assert (secret.encode() in seen) is not tls and len(seen) > 500  # (it went that way)
 
 
 @trio_test
@@ -1565,23 +1645,32 @@ async def test_a_mission_meets_its_workers_through_a_bridge_in_any_order(workers
         assert pids == {p.pid for p in workers.procs}
 
 
-async def _two_workers_join(exer, workers, url, cores=1):
+async def _two_workers_join(exer, workers, url, cores=1, *flags):
     for name in ("w1", "w2"):
-        workers.start("--url", url, "--res", json.dumps({"Cores": {"N": cores}}), name=name)
+        workers.start("--url", url, "--res", json.dumps({"Cores": {"N": cores}}), *flags,
+                      name=name)
     with trio.fail_after(30):
         await exer.wait_for_workers(2)
 
 
+@pytest.mark.parametrize("tls", [False, True])
 @trio_test
-async def test_with_no_direct_path_the_bridge_relays_and_ls_says_so(workers, bridges):
+async def test_with_no_direct_path_the_bridge_relays_and_ls_says_so(workers, bridges,
+                                                                    tmp_path, tls):
     url = bridges.url + "?direct=no"   # (as if no address of the other side answered)
     bridge = bridges.start()
-    async with grain.GrainExecutor(listen=url) as exer:
-        await _two_workers_join(exer, workers, url)
+    cert, private = _tls_pair(tmp_path) if tls else ("", "")
+    toml = tmp_path / "grain.toml"     # (for ls)
+    toml.write_text(f'tls_cert = "{cert}"\ntls_key = "{private}"\n')
+    key = grain.load_auth_key(None, cert, private)
+    async with grain.GrainExecutor(listen=url, key=key) as exer:
+        await _two_workers_join(exer, workers, url, 1, *(
+            ("--tls-cert", cert, "--tls-key", private) if tls else ()))
         pids = {(await j)[1] for j in [exer.submit(Cores(1), where_am_i, i, 0.2)
                                        for i in range(6)]}
         assert pids == {p.pid for p in workers.procs}
-        cp = await trio.to_thread.run_sync(lambda: grain_cli("ls", "--json", "-a", url))
+        cp = await trio.to_thread.run_sync(lambda: grain_cli("ls", "--json", "-a", url,
+                                                             "-c", str(toml)))
         shown = json.loads(cp.stdout)["workers"]
         assert [w["via"] for w in shown] == \
             [f"relayed through bridge 127.0.0.1:{bridges.port}"] * 2
@@ -2198,7 +2287,7 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
         assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
                                     "(known here: address, auth_key, cli_dial, contextmod, " \
                                     "dial, log_file, name, reattach, report, res, results, " \
-                                    "script, specialized_type, system)"
+                                    "script, specialized_type, system, tls_cert, tls_key)"
     cp = grain_cli("up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     cp = grain_cli("up", "-c", str(tmp_path))
