@@ -1385,7 +1385,7 @@ async def test_with_tls_in_the_config_the_path_cannot_read_a_job(workers, tmp_pa
             w = workers.start(*shlex.split(line)[3:], "--res", '{"Cores": {"N": 1}}')
             if tls:  # a worker that does not speak TLS is refused, saying why
                 workers.start("--url", f"tcp://127.0.0.1:{proxy}", "--key",
-                                      str(tmp_path / "key"), "--reattach", "0", name="plain")
+                              str(tmp_path / "key"), "--reattach", "0", name="plain")
             await exer.wait_for_workers(1)
             assert (await exer.submit(Cores(1), where_am_i, secret))[:2] == (secret, w.pid)
             with trio.fail_after(10):

@@ -48,15 +48,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def grainpy_worker(edge, cores, name):
+def grainpy_worker(edge, cores, name, *flags):
     """A grain.py worker process, started as the job scripts of `grain.py up` start one
-    (``edge``: the Edge file's path, or any URL)."""
+    (``edge``: the Edge file's path, or any URL; ``flags``: more of its options)."""
     import grain
     return subprocess.Popen(
         grain.boot_argv(sys.executable, GRAIN_PY, "worker", "--url",
                         edge if "://" in edge else f"edge://{edge}",
                         "--name", name, "--res", '{"Cores": {"N": %d}}' % cores,
-                        "--oversubscribe"),
+                        "--oversubscribe", *flags),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

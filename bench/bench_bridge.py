@@ -6,19 +6,22 @@ workers registered.
 
 1. bench_remote.py (one worker of 8 cores, N no-op jobs, default 10,000) with the head at
    tcp://127.0.0.1, then at bridge://…?direct… (the worker meets it directly), then with
-   ?direct=no (every byte relayed by the bridge), alternating within each round; the
-   medians in tasks/s.
+   ?direct=no (every byte relayed by the bridge), then tcp again with TLS (a certificate
+   made by the README's openssl line), alternating within each round; the medians in
+   tasks/s.
 2. Frame integrity: the microseconds a Seal takes to tag and to check one job's frame
    (a "run" message of ~100 bytes), and so per job (4 frames: head and worker each send
    one and check one).
 3. 1,000 workers registered at a bridge with no head yet (each a connection that sent
    SUBD and waits), then 10 s idle: the bridge's RSS and its CPU over those 10 s.
-The last line: "tcp X direct Y relayed Z tasks/s; seal S us/job; idle rss R MB cpu C %"."""
+The last line: "tcp X direct Y relayed Z tls T tasks/s; seal S us/job; idle rss R MB cpu
+C %"."""
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import _peers
@@ -49,9 +52,9 @@ def start_bridge():
     raise SystemExit("the bridge did not start")
 
 
-def throughput(url):
+def throughput(url, *flags):
     cp = subprocess.run([sys.executable, os.path.join(HERE, "bench_remote.py"), "--url", url,
-                         N], capture_output=True, text=True, timeout=600)
+                         *flags, N], capture_output=True, text=True, timeout=600)
     return float(cp.stdout.strip().splitlines()[-1].split()[0])
 
 
@@ -100,25 +103,33 @@ def idle_bridge(workers=1000):
 
 
 def main():
-    figures = {"tcp": [], "direct": [], "relayed": []}
+    figures = {"tcp": [], "direct": [], "relayed": [], "tls": []}
     proc, port = start_bridge()
+    tmp = tempfile.TemporaryDirectory()
+    cert, key = os.path.join(tmp.name, "tls.crt"), os.path.join(tmp.name, "tls.key")
+    subprocess.run(f"umask 077; openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:"
+                   f"prime256v1 -nodes -days 1 -subj /CN=grain -keyout {key} -out {cert}",
+                   shell=True, check=True, capture_output=True)
     try:
         for r in range(ROUNDS):
-            for name, url in (("tcp", "tcp://127.0.0.1:0"),
-                              ("direct", f"bridge://bench@127.0.0.1:{port}"),
-                              ("relayed", f"bridge://bench@127.0.0.1:{port}?direct=no")):
-                figures[name].append(throughput(url))
+            for name, url, *flags in (
+                    ("tcp", "tcp://127.0.0.1:0"),
+                    ("direct", f"bridge://bench@127.0.0.1:{port}"),
+                    ("relayed", f"bridge://bench@127.0.0.1:{port}?direct=no"),
+                    ("tls", "tcp://127.0.0.1:0", "--tls", f"{cert},{key}")):
+                figures[name].append(throughput(url, *flags))
                 print(f"[round {r + 1}/{ROUNDS}] {name}: {figures[name][-1]:.0f} tasks/s",
                       file=sys.stderr)
     finally:
         proc.kill()
         proc.wait()
+        tmp.cleanup()
     tag, check = seal_us()
     print(f"seal: tag {tag:.2f} us, check {check:.2f} us per frame", file=sys.stderr)
     rss, cpu = idle_bridge()
     med = {k: statistics.median(v) for k, v in figures.items()}
     print(f"tcp {med['tcp']:.0f} direct {med['direct']:.0f} relayed {med['relayed']:.0f} "
-          f"tasks/s; seal {2 * (tag + check):.1f} us/job; idle rss {rss:.1f} MB "
+          f"tls {med['tls']:.0f} tasks/s; seal {2 * (tag + check):.1f} us/job; idle rss {rss:.1f} MB "
           f"cpu {cpu:.2f} %")
 
 

@@ -2,13 +2,15 @@
 
     python bench/bench_remote.py [--impl grainpy|upstream|dask] [N] [--workers W]
                                  [--cores C] [--latency] [--results] [--url URL]
+                                 [--tls CERT,KEY]
 
 Starts W worker processes of C cores (default 1 and 8, as bench_local.py's worker; ids past
 the machine's real cores are virtual), waits until all have joined, runs 200 warm-up jobs,
 then N no-op Cores(1) jobs through the delayed API: the last line is tasks/s. With
 --latency, instead times 200 single jobs one after the other on the idle worker(s) (submit
 to result): the last line is "p50 X ms p99 Y ms". With --results (grain.py), the mission
-keeps a results store (a new one, in the temporary directory).
+keeps a results store (a new one, in the temporary directory). With --tls (grain.py),
+head and workers speak TLS with that certificate and key (see the README's Security).
 
 grainpy: the head listens on an Edge file (or at --url, e.g. tcp://127.0.0.1:0 or a
 bridge://); workers are `grain.py worker --url edge://...` (or that URL).
@@ -47,6 +49,10 @@ URL = None
 if "--url" in ARGS:
     URL = ARGS.pop(ARGS.index("--url") + 1)
     ARGS.remove("--url")
+TLS = ()
+if "--tls" in ARGS:
+    TLS = tuple(ARGS.pop(ARGS.index("--tls") + 1).split(","))
+    ARGS.remove("--tls")
 N = int(ARGS[0]) if ARGS else 20_000
 
 
@@ -79,10 +85,13 @@ def grainpy():
         procs = []
         store = os.path.join(os.path.dirname(edge), "results.db") if RESULTS else None
         try:
-            async with grain.GrainExecutor(listen=URL or f"edge://{edge}",
+            key = grain.load_auth_key(None, *TLS)
+            async with grain.GrainExecutor(listen=URL or f"edge://{edge}", key=key,
                                            results=store) as exer:
                 url = exer.urls.get("tcp", URL) if URL else edge
-                procs += [_peers.grainpy_worker(url, CORES, f"w{i}") for i in range(WORKERS)]
+                tls = ("--tls-cert", TLS[0], "--tls-key", TLS[1]) if TLS else ()
+                procs += [_peers.grainpy_worker(url, CORES, f"w{i}", *tls)
+                          for i in range(WORKERS)]
                 await exer.wait_for_workers(WORKERS)
                 return await measure(each, lambda: (noop @ Cores(1))())
         finally:  # the head has told its workers to leave as it closed
