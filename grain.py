@@ -1861,17 +1861,18 @@ def unpickle_result(job, ok, data, where):
 # HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
 # nothing is unpickled until both sides have proved they hold the key. Then each frame
 # holds one pickled message, a tuple ``(name, *fields)`` from the MESSAGES table, and
-# every receiver hands it to dispatch(). A frame after the handshake ends in a tag that
-# proves it came from the key holder, in this order (Seal): what a relay or the path
-# alters, drops, replays or injects is refused before it is unpickled. Job functions,
+# every receiver hands it to dispatch(). After the handshake, each write of frames ends in
+# a tag frame that proves they came from the key holder, in this order (Seal): what a
+# relay or the path alters, drops, replays or injects is refused before it is unpickled. Job functions,
 # arguments and results travel inside messages as pickle or dill bytes, opened only by
 # missions and workers.
 
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
-AUTH_MAGIC = b"GRAIN\x02\r\n"  # 8 bytes: protocol name and version (2: sealed frames)
+AUTH_MAGIC = b"GRAIN\x03\r\n"  # 8 bytes: protocol name and version (3: sealed writes)
 AUTH_NONCE = 32                 # bytes of randomness each side contributes
 AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
-SEAL_TAG = 16                   # bytes of a frame's integrity tag (keyed BLAKE2b)
+SEAL_TAG = 16                   # bytes of a write's integrity tag (keyed BLAKE2b)
+TAG_FRAME = b"\x00"  # a frame that starts so holds a tag (a message, a pickle, starts \x80)
 
 
 class FrameDecoder:
@@ -1949,11 +1950,13 @@ class Handshake:
 
 
 class Seal:
-    """The integrity of one connection's frames after its handshake: each direction has
-    its own key (from the shared key and both nonces) and counts its frames; a frame's
-    tag is a keyed BLAKE2b (a MAC, and a quarter of HMAC-SHA256's cost per frame) of its
-    number and payload. So a frame altered, dropped, replayed, reordered or injected (by
-    a relay, or anyone on the path) fails on arrival."""
+    """The integrity of one connection's frames after its handshake. Each write of frames
+    (a batch: whatever a Channel had queued) ends in a tag frame, TAG_FRAME and a keyed
+    BLAKE2b of the write's number and bytes; each direction has its own key (from the
+    shared key and both nonces) and counts its writes. The receiver holds a batch's frames
+    until its tag checks out. So a frame altered, dropped, replayed, reordered or injected
+    (by a relay, or anyone on the path) is refused before it is unpickled, and the cost is
+    a tag a write, not a frame."""
 
     __slots__ = ("_out", "_in", "sent", "received")
 
@@ -1962,26 +1965,26 @@ class Seal:
         self._in = hashlib.blake2b(key=key_in, digest_size=SEAL_TAG)
         self.sent = self.received = 0
 
-    @staticmethod
-    def _mac(keyed, n, payload):
-        mac = keyed.copy()
-        mac.update(n.to_bytes(8, "big"))
-        mac.update(payload)
-        return mac.digest()
-
-    def tag(self, payload):
+    def tag(self, parts):
+        """The tag frame of the write of ``parts`` (bytes, as they go on the wire)."""
         self.sent += 1
-        return self._mac(self._out, self.sent, payload)
+        mac = self._out.copy()
+        mac.update(self.sent.to_bytes(8, "big"))
+        for part in parts:
+            mac.update(part)
+        return encode_frame(TAG_FRAME + mac.digest())
 
-    def open(self, frame, peer):
-        """The payload of a received ``frame``; FrameError if its tag is not right."""
+    def check(self, frames, tag, peer):
+        """FrameError unless ``tag`` (a tag frame's payload) is right for ``frames``."""
         self.received += 1
-        payload = memoryview(frame)[:-SEAL_TAG]  # (not a copy: a frame may be a large result)
-        if not hmac.compare_digest(frame[-SEAL_TAG:],
-                                   self._mac(self._in, self.received, payload)):
-            raise FrameError(f"frame {self.received} from {peer} failed its integrity check "
+        mac = self._in.copy()
+        mac.update(self.received.to_bytes(8, "big"))
+        for frame in frames:
+            mac.update(FRAME_HEADER.pack(len(frame)))
+            mac.update(frame)
+        if not hmac.compare_digest(tag[1:], mac.digest()):
+            raise FrameError(f"write {self.received} from {peer} failed its integrity check "
                              "(altered, dropped, replayed or injected on the way)")
-        return payload
 
 
 def default_key_path():
@@ -2568,12 +2571,14 @@ class Channel:
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames = FrameStream(stream, max_frame=max_frame)
+        self._batch, self._checked = [], deque()  # frames received, before and after its tag
         self._out = []
         self._wakeup = trio.Event()
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
-        self.last_heard = trio.current_time()
+        self._clock = trio.lowlevel.current_clock().current_time  # (read once a message)
+        self.last_heard = self._clock()
         self.silent_after = silent_after  # seconds of silence open_channel's watchdog allows
         self.silent = False           # set when the watchdog gave up on the peer
 
@@ -2581,11 +2586,7 @@ class Channel:
         """Queue a control message; the writer task sends it with whatever else is queued."""
         if not self._closed:
             payload = dumps_control(msg)
-            if self._seal is None:
-                self._out += (FRAME_HEADER.pack(len(payload)), payload)
-            else:
-                self._out += (FRAME_HEADER.pack(len(payload) + SEAL_TAG), payload,
-                              self._seal.tag(payload))
+            self._out += (FRAME_HEADER.pack(len(payload)), payload)
             self._wakeup.set()
 
     async def run_writer(self):
@@ -2612,8 +2613,10 @@ class Channel:
         self._writing = True
         try:
             while self._out:
-                data, self._out = b"".join(self._out), []
-                await self.stream.send_all(data)
+                out, self._out = self._out, []
+                if self._seal is not None:
+                    out.append(self._seal.tag(out))
+                await self.stream.send_all(b"".join(out))
         finally:
             self._writing = False
             if self._closed:
@@ -2623,19 +2626,30 @@ class Channel:
     def flush_due(self):
         """Is output queued while no input waits to be read? (Then nothing that input
         could add is to go out with it: send it now.)"""
-        return bool(self._out) and not self._frames._ready
+        return bool(self._out) and not self._frames._ready and not self._checked
 
     async def receive(self):
         """The next message, or None when the peer closed the connection."""
-        try:
-            frame = await self._frames.receive()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return None
-        if frame is None:
-            return None
-        if self._seal is not None:
-            frame = self._seal.open(frame, self.peer)
-        self.last_heard = trio.current_time()
+        while not self._checked:
+            try:
+                frame = await self._frames.receive()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            if frame is None:
+                return None
+            if self._seal is None:
+                self._checked.append(frame)
+            elif not frame.startswith(TAG_FRAME):
+                self._batch.append(frame)  # (held: its tag comes at the end of the write)
+                if len(self._batch) > 1 and \
+                        sum(map(len, self._batch)) > self._frames._decoder.max_frame:
+                    raise FrameError(f"{self.peer} sent more than a frame's worth untagged")
+            else:
+                self._seal.check(self._batch, frame, self.peer)
+                self._checked.extend(self._batch)
+                self._batch = []
+        frame = self._checked.popleft()
+        self.last_heard = self._clock()
         try:
             return pickle.loads(frame)
         except Exception as e:  # authenticated, yet undecodable: drop this peer only
@@ -5719,7 +5733,8 @@ class HeadCore:
         """A remote worker's job ended: its value or exception, pickled."""
         self.scheduler.release(job, ok=ok)
         self.deliver(job, ok, data, duration, kind, where)
-        self.pump()
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""

@@ -1289,9 +1289,10 @@ async def test_oversized_frame_after_auth_closes_only_that_connection(workers):
 
 
 def _sealed(seal, payload, tag_of=None):
-    """A frame of ``payload`` with the tag ``seal`` gives it (or gave ``tag_of``)."""
-    tag = seal.tag(payload if tag_of is None else tag_of)
-    return grain.FRAME_HEADER.pack(len(payload) + grain.SEAL_TAG) + payload + tag
+    """A write of ``payload``'s frame and the tag frame ``seal`` gives it (or gave
+    ``tag_of``'s)."""
+    return grain.encode_frame(payload) + seal.tag(
+        [grain.encode_frame(payload if tag_of is None else tag_of)])
 
 
 @trio_test
@@ -1299,16 +1300,18 @@ async def test_a_frame_altered_dropped_replayed_or_injected_closes_its_connectio
         workers, tmp_path, caplog):
     # After the handshake: what a relay or the path could do to the frames of an
     # authenticated worker. Each closes that connection, with a line naming the peer,
-    # before anything is unpickled; the head serves on.
+    # before anything is unpickled; the head serves on. (A frame injected into a write
+    # is caught by that write's tag: the "ping" after it.)
     evil = tmp_path / "pwned"
     bomb = pickle.dumps(CreatesFile(str(evil)))
     register = grain.dumps_control(("register", {"name": "w", "res": Cores(1), "pid": 1}))
+    ping = grain.dumps_control(("ping",))
     attacks = {
-        "altered": lambda s: [_sealed(s, register)[:-20] + b"X" + _sealed(s, b"")[-19:]],
-        "dropped": lambda s: [(s.tag(register), _sealed(s, bomb))[1]],
-        "replayed": lambda s: [_sealed(s, register),
-                               (f := _sealed(s, grain.dumps_control(("ping",)))), f],
-        "injected": lambda s: [_sealed(s, register), grain.encode_frame(bomb)],
+        "altered": lambda s: [(f := _sealed(s, register))[:30] + bytes([f[30] ^ 1]) + f[31:]],
+        "dropped": lambda s: [(s.tag([grain.encode_frame(register)]), _sealed(s, bomb))[1]],
+        "replayed": lambda s: [_sealed(s, register), (f := _sealed(s, ping)), f],
+        "injected": lambda s: [_sealed(s, register), grain.encode_frame(bomb),
+                               _sealed(s, ping)],
         "tag of another": lambda s: [_sealed(s, bomb, tag_of=register)],
     }
     with caplog.at_level(logging.WARNING, logger="grain"):
