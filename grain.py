@@ -218,6 +218,7 @@ STUCK_REPEAT_S = 300.0    # seconds between repeated warnings about the same stu
 STUCK_CHECK_S = 5.0       # seconds between checks of the stuck queue
 BACKFILL_DEPTH = 64       # how far behind a blocked job the scheduler looks for jobs that fit
 RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing else starts there
+FEW_WORKERS = 8           # up to this many, the scheduler looks at each for each job
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -5030,7 +5031,7 @@ class RemoteWorker(Worker):
     def start(self, job):
         alloc = self.orphans.pop(job.wire, None) if self.orphans else None
         if alloc is not None:  # it runs here already: this worker came back with it
-            self.res.dealloc(job.alloc)
+            self.res.dealloc(job.alloc)  # (as before its launch: it stays in queues' maybe)
             self.running -= 1
             job.alloc = alloc
             self.owner.reunion.adopted(job.wire)
@@ -5060,6 +5061,7 @@ class RemoteWorker(Worker):
         if alloc is not None:
             self.res.dealloc(alloc)
             self.running -= 1
+            self.owner.scheduler.grew(self)
             self.owner.scheduler.pump()
 
     def cancel(self, job):
@@ -5130,7 +5132,7 @@ class JobQueue:
     mission in-process has one; a head daemon has one per attached mission."""
 
     __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
-                 "reserved", "run")
+                 "reserved", "run", "fits", "maybe")
 
     def __init__(self, name, prioritized=False):
         self.jobs = deque()
@@ -5141,6 +5143,7 @@ class JobQueue:
         self.warned_at = -math.inf
         self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
         self.run = 0                 # jobs right behind the first known to ask the same
+        self.fits, self.maybe = None, {}  # a request; the workers that may have room for it
 
     def unreserve(self):
         """Give up the worker held for the blocked job (it started, or the queue is gone)."""
@@ -5197,7 +5200,12 @@ class Scheduler:
     along, so a small mission is never stuck behind a large one's backlog.
 
     The queues are looked at again (``pump()``) whenever a job is pushed, a worker joins
-    or an allocation comes back. The workers share one set of WTime group estimates."""
+    or an allocation comes back. The workers share one set of WTime group estimates.
+
+    A queue looks only at the workers that may have room for its oldest job's request
+    (``queue.maybe``): a worker found without room leaves it, and comes back when
+    resources come back to it (grew()). So with a thousand workers a job costs a look at
+    a few, not at all of them."""
 
     def __init__(self, clock=_now):
         self.workers = []
@@ -5213,11 +5221,22 @@ class Scheduler:
             if wt is not None:
                 wt._groups = self.group_times
         self.workers.append(w)
+        self.grew(w)
         self.pump()
 
     def remove_worker(self, w):
         if w in self.workers:
             self.workers.remove(w)
+            w.accepting = False  # (its jobs' resources come back after it went: grew())
+            for q in self.queues:
+                q.maybe.pop(w, None)
+
+    def grew(self, w):
+        """Resources came back to ``w`` (or it joined): each queue looks at it again."""
+        if w.accepting:
+            for q in self.queues:
+                if q.fits is not None:
+                    q.maybe[w] = None
 
     def add_queue(self, queue):
         self.queues.append(queue)
@@ -5298,6 +5317,7 @@ class Scheduler:
             if not ok and job.group is not None:
                 _part(alloc, "WTime")._since = None
             w.res.dealloc(alloc)
+            self.grew(w)
         return w
 
     # -- the policy -----------------------------------------------------------------
@@ -5326,11 +5346,16 @@ class Scheduler:
         while jobs and started != limit:
             job = jobs[0]
             req = job.req
-            for w in workers:
-                if w.accepting and w.res.request(req) and (
-                        w.reserved_for is None or w.reserved_for is job):
-                    break
-            else:
+            if len(workers) > FEW_WORKERS:
+                w = self._first_fit(queue, job, req)
+            else:  # (a look at each costs less than keeping maybe)
+                for w in workers:
+                    if w.accepting and w.res.request(req) and (
+                            w.reserved_for is None or w.reserved_for is job):
+                        break
+                else:
+                    w = None
+            if w is None:
                 if queue.blocked_job is not job:
                     if queue.reserved is not None:
                         queue.unreserve()
@@ -5360,6 +5385,25 @@ class Scheduler:
             w.start(job)
             started += 1
         return started
+
+    def _first_fit(self, queue, job, req):
+        """The first worker of ``queue.maybe`` (see the class) with room for ``job`` now;
+        those found without it leave maybe."""
+        if job.group is not None or not _same_request(req, queue.fits):  # all again
+            queue.fits = req if job.group is None else None  # (a group's T changes)
+            queue.maybe = dict.fromkeys(self.workers)
+        maybe, full = queue.maybe, []
+        for w in maybe:
+            if w.accepting and w.res.request(req):
+                if w.reserved_for is None or w.reserved_for is job:
+                    break
+            else:
+                full.append(w)
+        else:
+            w = None
+        for f in full:
+            del maybe[f]
+        return w
 
     def _reserve_if_starving(self, queue, job):
         """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;

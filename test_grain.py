@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import pickle
+import random
 import re
 import shlex
 import signal
@@ -3465,6 +3466,39 @@ def test_scheduler_backfills_and_reserves_a_worker_for_a_starving_job():
     assert w.started == [1, 3, 4, 2, 5]
 
 
+class CountedCores(Cores):
+    """Cores that count how often the scheduler asks whether a request fits them."""
+    kind = "Cores"
+    looks = 0
+
+    def _request(self, req):
+        CountedCores.looks += 1
+        return super()._request(req)
+
+
+def test_placement_looks_at_a_few_workers_a_job_not_all_of_them():
+    # A thousand workers of 8 cores: filling them, and then each job that ends letting a
+    # queued one start, looks at a handful of workers, not at each of the thousand.
+    p = Policy()
+    ws = [Recorder(CountedCores(list(range(8))), f"w{i}") for i in range(1000)]
+    for w in ws:
+        p.sched.add_worker(w)
+    CountedCores.looks = 0
+    for jid in range(10_000):        # 8,000 start, 2,000 wait
+        p.push(jid, 1)
+    assert p.sched.n_queued == 2000 and CountedCores.looks < 3 * 10_000
+    assert all(len(w.started) == 8 for w in ws)
+    CountedCores.looks = 0
+    order = list(range(8000))
+    random.Random(7).shuffle(order)
+    for jid in order[:2000]:         # each frees a core somewhere: the oldest waiting takes it
+        p.end(jid)
+    assert p.sched.n_queued == 0 and CountedCores.looks < 3 * 2000
+    assert sorted(j for w in ws for j in w.started[8:]) == list(range(8000, 10_000))
+    p.push(10_000, 1)                # nothing free: it waits, after one look
+    assert p.sched.n_queued == 1
+
+
 def test_scheduler_serves_queues_round_robin_and_prioritized_ones_first():
     p = Policy("a", "b", "!urgent")
     w = Recorder(Cores([0]), "w")
@@ -4000,9 +4034,10 @@ def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
     # "a" ends as any job would; the cancelled one comes back as cancelled
     pumps = []
     w.owner = types.SimpleNamespace(job_reported=lambda *a: None, reunion=reunion,
-                                    scheduler=types.SimpleNamespace(pump=lambda: pumps.append(1)))
+                                    scheduler=types.SimpleNamespace(pump=lambda: pumps.append(1),
+                                                                    grew=pumps.append))
     w.on_cancelled(7)
-    assert w.res.N == 1 and w.running == 2 and pumps == [1]   # freed cores take queued jobs
+    assert w.res.N == 1 and w.running == 2 and pumps == [w, 1]  # freed cores take queued jobs
     now[0] = grain.REJOIN_WAIT_S + 1
     assert not reunion.offer(job("e"), hold=True)                 # too late to hold
 
