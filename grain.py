@@ -2573,6 +2573,7 @@ class Channel:
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames = FrameStream(stream, max_frame=max_frame)
         self._batch, self._checked = [], deque()  # frames received, before and after its tag
+        self._batch_bytes = 0
         self._out = []
         self._wakeup = trio.Event()
         self._closed = False
@@ -2642,13 +2643,13 @@ class Channel:
                 self._checked.append(frame)
             elif not frame.startswith(TAG_FRAME):
                 self._batch.append(frame)  # (held: its tag comes at the end of the write)
-                if len(self._batch) > 1 and \
-                        sum(map(len, self._batch)) > self._frames._decoder.max_frame:
+                self._batch_bytes += len(frame)
+                if self._batch_bytes > self._frames._decoder.max_frame and len(self._batch) > 1:
                     raise FrameError(f"{self.peer} sent more than a frame's worth untagged")
             else:
                 self._seal.check(self._batch, frame, self.peer)
                 self._checked.extend(self._batch)
-                self._batch = []
+                self._batch, self._batch_bytes = [], 0
         frame = self._checked.popleft()
         self.last_heard = self._clock()
         try:
