@@ -1605,7 +1605,7 @@ class Job:
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
-        wt = _part(req, "WTime") if req.kind != "Cores" else None
+        wt = _part(req, "WTime") if req.kind != "Cores" and req is not ZERO else None
         self.T = wt.T if wt is not None else None
         self.group = wt.group if wt is not None else None
         self.attempts = 0
@@ -1872,6 +1872,8 @@ FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
 AUTH_MAGIC = b"GRAIN\x03\r\n"  # 8 bytes: protocol name and version (3: sealed writes)
 AUTH_NONCE = 32                 # bytes of randomness each side contributes
 AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
+WRITE_FRAMES = 1024             # frames of one write at most: a backlog goes out in many,
+                                # so neither side holds its event loop long over one
 SEAL_TAG = 16                   # bytes of a write's integrity tag (keyed BLAKE2b)
 TAG_FRAME = b"\x00"  # a frame that starts so holds a tag (a message, a pickle, starts \x80)
 
@@ -2616,9 +2618,11 @@ class Channel:
         try:
             while self._out:
                 out, self._out = self._out, []
-                if self._seal is not None:
-                    out.append(self._seal.tag(out))
-                await self.stream.send_all(b"".join(out))
+                for i in range(0, len(out), 2 * WRITE_FRAMES):  # (a header and a payload each)
+                    write = out[i:i + 2 * WRITE_FRAMES]
+                    if self._seal is not None:
+                        write.append(self._seal.tag(write))
+                    await self.stream.send_all(b"".join(write))
         finally:
             self._writing = False
             if self._closed:
@@ -4956,31 +4960,28 @@ class LocalWorker(Worker):
         self.context = context
         self.output = output
         self._in_order = deque() if in_order else None
-        self._wake = None
 
     def start(self, job):
         if self._in_order is None:
             self._nursery.start_soon(self._run, job)
-            return
-        self._in_order.append(job)
-        if self._wake is None:
-            self._wake = trio.Event()
-            self._nursery.start_soon(self._start_in_order)
-        self._wake.set()
+        else:  # (while it holds jobs, one task that runs the next is on its way)
+            self._in_order.append(job)
+            if len(self._in_order) == 1:
+                self._nursery.start_soon(self._run_next)
 
-    async def _start_in_order(self):
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self._in_order:
-                await self._nursery.start(self._run, self._in_order.popleft())
+    async def _run_next(self):
+        """Run the first job waiting in order, having started a task for the next: trio
+        runs that one in its next batch, once this job has paused (no handshake needed)."""
+        job = self._in_order.popleft()
+        if self._in_order:
+            self._nursery.start_soon(self._run_next)
+        await self._run(job)
 
-    async def _run(self, job, task_status=TASK_STATUS_IGNORED):
+    async def _run(self, job):
         if self.output is not None:
             _OUTPUT.set(self.output)
         clock = self.owner.clock
         started = clock()
-        task_status.started()
         try:
             value = await run_job_here(job.fn, job.args, job.kwargs, job.alloc, self.name,
                                        self.context, job.T)
@@ -5298,7 +5299,7 @@ class Scheduler:
         """Allocate ``job`` its request on ``w`` and start it there."""
         job.state = "running"
         job.attempts += 1
-        job.alloc = w.res._take(job.req)
+        job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
         if job.group is not None:
             job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
         job.worker = w
