@@ -2,21 +2,30 @@
 has no worker yet, so none can run; the growth of this process's RSS divided by N. Prints
 bytes/job on the last line.
 
-    python bench/bench_memory.py [--impl grainpy|upstream|dask] [N]
+    python bench/bench_memory.py [--impl grainpy|upstream|dask] [N] [--stall]
 
 grainpy: GrainExecutor listening on an Edge file (so each job is also serialized for a
 remote worker, as in real use), exer.submit(). upstream: its GrainExecutor (pure-Python head
 on loopback, no local worker), exer.submit(). Dask: client.submit(resources={"cores": 1})
 to an in-process LocalCluster whose worker has no "cores", so the tasks wait in its
-scheduler (also in this process)."""
+scheduler (also in this process).
+
+--stall (grain.py): instead, the mission submits the N jobs in chunks of 1,000, letting
+the event loop run between chunks (as a mission that awaits anything does), while a task
+that asks to wake every 10 ms notes how late it wakes; the last line is "max stall X ms"
+(the event loop's longest pause, the chunks' own submitting included), and "p99 Y ms"."""
 import gc
 import os
 import tempfile
+import time
 
 import _peers
 from _peers import noop_sync, parse_impl, rss_bytes
 
 IMPL, ARGS = parse_impl()
+STALL = "--stall" in ARGS
+if STALL:
+    ARGS.remove("--stall")
 N = int(ARGS[0]) if ARGS else 100_000
 
 
@@ -49,6 +58,33 @@ async def fill_queue(submit):
     os._exit(0)
 
 
+async def stalls(submit):
+    """Submit N jobs in chunks while a watchdog measures the event loop's pauses."""
+    import trio
+    lags, done = [], False
+
+    async def watchdog():
+        while not done:
+            t = time.perf_counter()
+            await trio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watchdog)
+        await trio.sleep(0.05)
+        for i in range(0, N, 1000):
+            for _ in range(min(1000, N - i)):
+                submit()
+            await trio.sleep(0)
+        await trio.sleep(0.5)  # (what the head does with them after)
+        done = True
+    lags.sort()
+    print(f"stalls: {N} jobs submitted in chunks of 1,000; the event loop's longest pause "
+          f"{lags[-1] * 1e3:.1f} ms, p99 {lags[int(len(lags) * 0.99)] * 1e3:.1f} ms")
+    print(f"max stall {lags[-1] * 1e3:.1f} ms p99 {lags[int(len(lags) * 0.99)] * 1e3:.1f} ms")
+    os._exit(0)
+
+
 def grainpy():
     import trio
     import grain
@@ -56,6 +92,8 @@ def grainpy():
 
     async def main(edge):
         async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
+            if STALL:
+                await stalls(lambda: exer.submit(Cores(1), noop))
             await fill_queue(lambda: exer.submit(Cores(1), noop))
 
     with tempfile.TemporaryDirectory() as d:
