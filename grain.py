@@ -1961,12 +1961,13 @@ class Seal:
     (by a relay, or anyone on the path) is refused before it is unpickled, and the cost is
     a tag a write, not a frame."""
 
-    __slots__ = ("_out", "_in", "sent", "received")
+    __slots__ = ("_out", "_in", "sent", "received", "_held", "_held_bytes")
 
     def __init__(self, key_out, key_in):
         self._out = hashlib.blake2b(key=key_out, digest_size=SEAL_TAG)
         self._in = hashlib.blake2b(key=key_in, digest_size=SEAL_TAG)
-        self.sent = self.received = 0
+        self.sent = self.received = self._held_bytes = 0
+        self._held = []  # the frames of a write whose tag has not come yet
 
     def tag(self, parts):
         """The tag frame of the write of ``parts`` (bytes, as they go on the wire)."""
@@ -1977,17 +1978,26 @@ class Seal:
             mac.update(part)
         return encode_frame(TAG_FRAME + mac.digest())
 
-    def check(self, frames, tag, peer):
-        """FrameError unless ``tag`` (a tag frame's payload) is right for ``frames``."""
+    def opened(self, frame, peer, most):
+        """The frames of a write once its tag (``frame``) proves them, () before; FrameError
+        if the tag is wrong, or more than ``most`` bytes come untagged."""
+        if not frame.startswith(TAG_FRAME):
+            self._held.append(frame)
+            self._held_bytes += len(frame)
+            if self._held_bytes > most and len(self._held) > 1:
+                raise FrameError(f"{peer} sent more than a frame's worth untagged")
+            return ()
+        frames, self._held, self._held_bytes = self._held, [], 0
         self.received += 1
         mac = self._in.copy()
         mac.update(self.received.to_bytes(8, "big"))
-        for frame in frames:
-            mac.update(FRAME_HEADER.pack(len(frame)))
-            mac.update(frame)
-        if not hmac.compare_digest(tag[1:], mac.digest()):
+        for held in frames:
+            mac.update(FRAME_HEADER.pack(len(held)))
+            mac.update(held)
+        if not hmac.compare_digest(frame[1:], mac.digest()):
             raise FrameError(f"write {self.received} from {peer} failed its integrity check "
                              "(altered, dropped, replayed or injected on the way)")
+        return frames
 
 
 def default_key_path():
@@ -2574,8 +2584,7 @@ class Channel:
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames = FrameStream(stream, max_frame=max_frame)
-        self._batch, self._checked = [], deque()  # frames received, before and after its tag
-        self._batch_bytes = 0
+        self._checked = deque()  # frames received (and proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
         self._closed = False
@@ -2645,15 +2654,9 @@ class Channel:
                 return None
             if self._seal is None:
                 self._checked.append(frame)
-            elif not frame.startswith(TAG_FRAME):
-                self._batch.append(frame)  # (held: its tag comes at the end of the write)
-                self._batch_bytes += len(frame)
-                if self._batch_bytes > self._frames._decoder.max_frame and len(self._batch) > 1:
-                    raise FrameError(f"{self.peer} sent more than a frame's worth untagged")
             else:
-                self._seal.check(self._batch, frame, self.peer)
-                self._checked.extend(self._batch)
-                self._batch, self._batch_bytes = [], 0
+                self._checked.extend(self._seal.opened(frame, self.peer,
+                                                       self._frames._decoder.max_frame))
         frame = self._checked.popleft()
         self.last_heard = self._clock()
         try:
@@ -2732,9 +2735,9 @@ async def open_channel(stream, peer="?", *, max_frame=MAX_FRAME, heartbeat=True,
 # head takes the stream that says so. When no stream opens within BRIDGE_DIRECT_S, both
 # ask the bridge to relay ("RELAY,label,<the other's public address>", our own message)
 # and it splices the two connections. On the chosen stream the grain handshake runs, and
-# every frame after it is sealed: the bridge sees the label (an HMAC of the URL's label
-# under the key, never the key) and addresses, and a relay the frames' bytes (sealed, not
-# encrypted): it could read a job, never forge, alter or replay one.
+# every write after it is sealed: the bridge sees the label (an HMAC of the URL's label
+# under the key, never the key) and addresses, and a relay the frames' bytes (sealed, and
+# encrypted only under TLS): it could read a job, never forge, alter or replay one.
 
 BRIDGE_PORT = 9555
 BRIDGE_PACKET = 1000      # bytes of one bridge message at most (upstream's limit)

@@ -70,7 +70,8 @@ def seal_us():
     tag = (time.perf_counter() - t) / n * 1e6
     t = time.perf_counter()
     for f in tags:
-        reader.check([payload], f[4:], "bench")
+        reader.opened(payload, "bench", 1 << 20)
+        reader.opened(f[4:], "bench", 1 << 20)
     return tag, (time.perf_counter() - t) / n * 1e6
 
 
