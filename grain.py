@@ -604,9 +604,7 @@ class _GrainFormatter(logging.Formatter):
         msg = record.getMessage()
         if record.exc_info:
             msg += "\n" + self.formatException(record.exc_info)
-        if record.levelno >= logging.WARNING:
-            return f"grain {record.levelname}: {msg}"
-        return msg
+        return f"grain {record.levelname}: {msg}" if record.levelno >= logging.WARNING else msg
 
 
 def _default_logging():
@@ -886,10 +884,8 @@ class ResourceSet(Resource):
         if name.startswith("__"):
             raise AttributeError(name)
         for part in object.__getattribute__(self, "parts").values():
-            try:
+            with contextlib.suppress(AttributeError):
                 return getattr(part, name)
-            except AttributeError:
-                pass
         raise AttributeError(f"{self!r} has no attribute {name!r}")
 
     def __getstate__(self):
@@ -1094,16 +1090,12 @@ class _Quantity(Resource):
         """What this request takes from a provider."""
         return self._q
 
-    def _held(self):
-        """The allocation that grants this request."""
-        return type(self)(self._q)
-
     def _request(self, res):
         return res._need() <= self._q + 1e-9
 
     def _alloc(self, res):
         self._q -= res._need()
-        return res._held()
+        return type(res)(res._q)  # the allocation that grants the request
 
     def _dealloc(self, res):
         self._q += res._need()
@@ -1205,9 +1197,7 @@ class Token(Resource):
 
 def _fmt_devices(ids):
     """GPU ids for a repr: ``0-2`` for indices, MIG UUIDs as they are."""
-    if all(i.isdigit() for i in ids):
-        return _fmt_ids([int(i) for i in ids])
-    return ",".join(ids)
+    return _fmt_ids([int(i) for i in ids]) if all(i.isdigit() for i in ids) else ",".join(ids)
 
 
 class Gpus(Resource):
@@ -1384,9 +1374,7 @@ class WTime(Resource):
         """Seconds this provider has left (inf without a limit)."""
         if self.T is None:
             return math.inf
-        if self._since is None:
-            return self.T
-        return max(0.0, self.T - _elapsed(self._since))
+        return self.T if self._since is None else max(0.0, self.T - _elapsed(self._since))
 
     def _limits(self, res):
         """(T, softT) of ``res``: its own, or those learnt for its group (a group request
@@ -1676,9 +1664,8 @@ class Retries:
     worker too (not at all when not ``persistent``), a retired one up to RETIRED_RETRIES."""
 
     def __init__(self, max_retries=MAX_RETRIES, temporary_err=(), persistent=True):
-        if isinstance(temporary_err, type):
-            temporary_err = (temporary_err,)
-        self.temporary_err = tuple(temporary_err)
+        self.temporary_err = ((temporary_err,) if isinstance(temporary_err, type)
+                              else tuple(temporary_err))
         n = _check_count(max_retries, "max_retries")
         self.budgets = {RETRY_TEMPORARY: n, RETRY_INFRA: n, RETRY_LOST: n if persistent else 0,
                         RETRY_RETIRED: RETIRED_RETRIES if persistent else 0}
@@ -1693,8 +1680,7 @@ class Retries:
 
     def again(self, job, kind, error, tally):
         """Count one more failure of ``kind``; True while the budget allows a retry."""
-        failures = job.failures if job.failures is not None else {}
-        job.failures = failures
+        failures = job.failures = job.failures if job.failures is not None else {}
         if failures.get(kind, 0) >= self.budgets[kind]:
             return False
         failures[kind] = failures.get(kind, 0) + 1
@@ -2190,7 +2176,7 @@ def parse_url(url):
 def _ipv4_addresses():
     """``{interface: ipv4}`` for the interfaces of this host that have one."""
     out = {}
-    try:
+    with contextlib.suppress(Exception):  # (not Linux: no fcntl or SIOCGIFADDR)
         import fcntl
 
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -2199,8 +2185,6 @@ def _ipv4_addresses():
                     packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
                                          struct.pack("256s", name[:15].encode()))
                     out[name] = socket.inet_ntoa(packed[20:24])
-    except Exception:  # pragma: no cover - not Linux
-        pass
     return out or {"lo": "127.0.0.1"}
 
 
@@ -2313,12 +2297,9 @@ class EdgeFile:
         if not os.access(d, os.W_OK | os.X_OK):
             raise UsageError(f"Edge file {self.path}: directory {d} is not writable")
 
-    @contextlib.contextmanager
     def locked(self):
         """Hold the lock; yields the current content (a dict) and writes back changes."""
-        with edit_locked(self.path, self._read,
-                         lambda data: json.dumps(data, indent=1).encode()) as data:
-            yield data
+        return edit_locked(self.path, self._read, lambda data: json.dumps(data, indent=1).encode())
 
     def _read(self):
         try:
@@ -2515,10 +2496,9 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
                     first = False
                 await trio.sleep(EDGE_HEARTBEAT_S)
     finally:
-        with contextlib.suppress(OSError):
-            with edge.locked() as data:
-                if (data["listener"] or {}).get("lid") == lid:
-                    data["listener"] = None
+        with contextlib.suppress(OSError), edge.locked() as data:
+            if (data["listener"] or {}).get("lid") == lid:
+                data["listener"] = None
         _unlink_quietly(sock_path)
 
 
@@ -2570,10 +2550,9 @@ async def _wait_to_be_called(edge, seen, key):
             for listener in listeners:
                 await listener.aclose()
         _unlink_quietly(sock_path)
-        with contextlib.suppress(OSError):
-            with edge.locked() as data:
-                data["dialer"] = [d for d in data["dialer"]
-                                  if not (isinstance(d, dict) and d.get("did") == did)]
+        with contextlib.suppress(OSError), edge.locked() as data:
+            data["dialer"] = [d for d in data["dialer"]
+                              if not (isinstance(d, dict) and d.get("did") == did)]
 
 
 class Channel:
@@ -2760,8 +2739,7 @@ def bridge_target(url, key):
 
 
 async def bridge_send(stream, text):
-    data = text.encode("ascii")
-    await stream.send_all(FRAME_HEADER.pack(len(data)) + data)
+    await stream.send_all(encode_frame(text.encode("ascii")))
 
 
 async def bridge_receive(stream):
@@ -2807,8 +2785,7 @@ async def _meet(host, port, label, options, other=None):
     listener.listen(16)
     mine = listener.getsockname()[1]
     with listener:
-        to_bridge = await _dial_from(mine, host, port)
-        async with to_bridge:
+        async with await _dial_from(mine, host, port) as to_bridge:
             ip = _ipv4_addresses().get(options["iface"]) if "iface" in options else None
             private = f"{ip or to_bridge.socket.getsockname()[0]}:{mine}"
             dialer = other is None
@@ -3118,10 +3095,7 @@ def job_env(env=None, res=None):
 def _real_cores(res):
     """The ids of ``res``'s cores this process may pin to (oversubscribed ones are not)."""
     cores = _part(res, "Cores") if res is not None else None
-    if cores is None:
-        return []
-    allowed = set(_allowed_cores())
-    return [i for i in cores.c if i in allowed]
+    return sorted(set(cores.c).intersection(_allowed_cores())) if cores is not None else []
 
 
 class ProgramError(GrainError):
@@ -3220,10 +3194,9 @@ def _subproc_child_main(result_fd):
     os.close(devnull)
     os.set_inheritable(result_fd, False)
     out = os.fdopen(result_fd, "wb", buffering=0)
-    try:
+    home = None
+    with contextlib.suppress(OSError):  # (its directory was deleted: it stays where it is)
         home = os.getcwd()
-    except OSError:  # (its directory was deleted: it stays where it is)
-        home = None
     pinning = hasattr(os, "sched_setaffinity")  # (Linux)
     allowed = os.sched_getaffinity(0) if pinning else None
 
@@ -3291,10 +3264,9 @@ async def _stop_process(process, grace=KILL_GRACE_S):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
-        for stream in (process.stdin, process.stdout):
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
+        for stream in filter(None, (process.stdin, process.stdout)):
+            with contextlib.suppress(Exception):
+                await stream.aclose()
 
 
 class SubprocessPool:
@@ -3364,8 +3336,7 @@ class SubprocessPool:
 
     def statistics(self):
         """PoolStatistics: the pids of its processes, how many are idle, the limit."""
-        return PoolStatistics(sorted(p.pid for p in self._all), len(self._idle),
-                              self.limit)
+        return PoolStatistics(sorted(p.pid for p in self._all), len(self._idle), self.limit)
 
     async def _reap_idle(self):
         while True:
@@ -3607,10 +3578,8 @@ _RENAMED = {"custom_system": {"directory": "directive"},
                           "swarm": "swarm", "extra_args": "daemon_extra_args"}}
 _SUBTABLES = {"": ("script", "custom_system", "head", "worker"), "head": ("script", "gnaw"),
               "worker": ("script",)}
-_ROLE_DEFAULTS = {
-    "head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
-    "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"},
-}
+_ROLE_DEFAULTS = {"head": {"name": "grain-head", "main_log_file": "grain-head-job-{{HHMMSS}}.log"},
+                  "worker": {"name": "grain-worker", "log_file": "grain-worker-{{HHMMSS}}.log"}}
 
 
 def _schema(table):
@@ -3701,8 +3670,7 @@ def find_config_path(config_file=None):
             raise ConfigError(f"config file {config_file} " + (
                 "is a directory" if os.path.isdir(config_file) else "does not exist"))
         return os.path.abspath(config_file)
-    env = os.environ.get("GRAIN_CONFIG")
-    if env:
+    if env := os.environ.get("GRAIN_CONFIG"):
         if not os.path.isfile(env):
             raise ConfigError(f"GRAIN_CONFIG={env}: no such file")
         return os.path.abspath(env)
@@ -4192,8 +4160,7 @@ def _amd_devices():
     ROCR_VISIBLE_DEVICES takes (it lists every device, whatever that variable says)."""
     listing = _tool_output(["rocm-smi", "--showbus"]) or ""
     ids = list(dict.fromkeys(re.findall(r"^GPU\[(\d+)\]", listing, re.M)))
-    where = dict(re.findall(r"^GPU\[(\d+)\]\s*:\s*PCI Bus:\s*(\S+)", listing, re.M))
-    return ids, where
+    return ids, dict(re.findall(r"^GPU\[(\d+)\]\s*:\s*PCI Bus:\s*(\S+)", listing, re.M))
 
 
 def _numa_cores(pci, sysfs):
@@ -4228,8 +4195,7 @@ def find_gpus(environ=None, sysfs="/sys"):
     elif not ids:
         vendor = "amd"
         ids, where = _amd_devices()
-        rocr = environ.get("ROCR_VISIBLE_DEVICES")
-        if rocr is not None:
+        if (rocr := environ.get("ROCR_VISIBLE_DEVICES")) is not None:
             ids = list(dict.fromkeys(d.strip() for d in rocr.split(",") if d.strip()))
     if not ids:
         return None
@@ -4273,8 +4239,7 @@ def worker_provider(req=None, oversubscribe=False):
     an error, unless ``oversubscribe`` (then the ids past the real ones are virtual, as for
     the in-process worker)."""
     allowed = _allowed_cores()
-    granted = batch_cpu_ids(allowed)
-    if granted:
+    if granted := batch_cpu_ids(allowed):
         log.info("the batch system bound no cores; using the %d it allocated to this job "
                  "(%s)", len(granted), _fmt_ids(granted))
         allowed = granted
@@ -4302,10 +4267,8 @@ def _fit_gpus(parts, oversubscribe):
     if asked.N > len(have) and not oversubscribe:
         raise UsageError(f"--res asks for {asked.N:g} GPU(s) but this machine shows "
                          f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}")
-    if asked.N > len(have):
-        parts["Gpus"] = Gpus([str(i) for i in range(int(asked.N))])
-    else:
-        parts["Gpus"] = Gpus(have[:int(asked.N)], found.vendor, found.near)
+    parts["Gpus"] = (Gpus([str(i) for i in range(int(asked.N))]) if asked.N > len(have)
+                     else Gpus(have[:int(asked.N)], found.vendor, found.near))
 
 
 def _fit_allocation(provider):
@@ -4652,8 +4615,7 @@ class ResultStore:
             return self._db.execute("SELECT state, value, error, kind FROM results_log WHERE "
                                     "key = ? ORDER BY rowid DESC LIMIT 1", (key,)).fetchone()
 
-    def record(self, key, function, state, value=None, error=None, kind=None,
-               duration=None):
+    def record(self, key, function, state, value=None, error=None, kind=None, duration=None):
         """Remember a job's state (written after the next ``take``; from the event
         loop's thread)."""
         if key in self.states:  # an entry found on opening: this row replaces it
@@ -4714,14 +4676,12 @@ class ResultStore:
             return
         if self._writer is not None:
             proc, to_writer, from_writer = self._writer
-            try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 self._in_flight = True
                 await to_writer.send_all(pickle.dumps(rows, protocol=4))
                 if await from_writer.receive_some(1) == b".":
                     self._in_flight = False
                     return
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
             self.stop_writer()
             log.warning("the writer of results store %s ended (exit status %s): the "
                         "mission writes it itself", self.path, proc.returncode)
@@ -4750,10 +4710,9 @@ class ResultStore:
 
     def summary(self):
         """``[(function, state, count)]`` of the entries, and the file's size in bytes."""
-        rows = self._db.execute(
-            "SELECT function, state, COUNT(*) FROM results_log WHERE rowid IN (SELECT "
-            "MAX(rowid) FROM results_log GROUP BY key) GROUP BY function, state "
-            "ORDER BY function, state")
+        rows = self._db.execute("SELECT function, state, COUNT(*) FROM results_log WHERE rowid IN "
+                                "(SELECT MAX(rowid) FROM results_log GROUP BY key) GROUP BY "
+                                "function, state ORDER BY function, state")
         return list(rows), os.path.getsize(self.path)
 
     def forget(self, pattern, state=None):
@@ -4823,8 +4782,7 @@ class MissionResults:
 
     async def fetch(self, job):
         """``(value, error, kind)`` stored for a known job."""
-        state, data, error, kind = await trio.to_thread.run_sync(
-            self.store.fetch, job.wire)
+        state, data, error, kind = await trio.to_thread.run_sync(self.store.fetch, job.wire)
         value = loads_job_value(data) if type(data) is bytes else data
         if state == "done":
             return value, None, None
@@ -4956,8 +4914,7 @@ class LocalWorker(Worker):
     ``in_order``, jobs start in the order given, each running up to its first pause
     before the next begins: upstream Grain guaranteed that order for resource-less calls."""
 
-    def __init__(self, owner, res, name, nursery, context=None, output=None,
-                 in_order=False):
+    def __init__(self, owner, res, name, nursery, context=None, output=None, in_order=False):
         super().__init__(owner, _local_provider(res), name)
         self._nursery = nursery
         self.context = context
@@ -5029,8 +4986,7 @@ class RemoteWorker(Worker):
         digest, fn_bytes = self.owner.function_bytes(fn)
         if digest not in self.known_functions:
             self.known_functions.add(digest)
-            self.channel.send(("fn", digest, fn_bytes) +
-                              ((_callable_name(fn),) if named else ()))
+            self.channel.send(("fn", digest, fn_bytes) + ((_callable_name(fn),) if named else ()))
         return digest
 
     def start(self, job):
@@ -5049,8 +5005,7 @@ class RemoteWorker(Worker):
             self.owner.job_sent(job)
 
     def message_handlers(self):
-        return dict(super().message_handlers(), done=self.on_done,
-                    cancelled=self.on_cancelled)
+        return dict(super().message_handlers(), done=self.on_done, cancelled=self.on_cancelled)
 
     def on_done(self, jid, ok, data, duration, kind=None):
         job = self.jobs.pop(jid, None)
@@ -5062,8 +5017,7 @@ class RemoteWorker(Worker):
 
     def release_orphan(self, jid):
         """A job this worker came back with ended: its resources take queued jobs now."""
-        alloc = self.orphans.pop(jid, None)
-        if alloc is not None:
+        if (alloc := self.orphans.pop(jid, None)) is not None:
             self.res.dealloc(alloc)
             self.running -= 1
             self.owner.scheduler.grew(self)
@@ -5075,8 +5029,7 @@ class RemoteWorker(Worker):
             self.channel.send(("cancel", job.wire))
 
     def on_cancelled(self, jid):
-        job = self.jobs.pop(jid, None)
-        if job is not None:
+        if (job := self.jobs.pop(jid, None)) is not None:
             self.owner.job_cancelled(job)
         self.release_orphan(jid)
 
@@ -5152,8 +5105,7 @@ class JobQueue:
 
     def unreserve(self):
         """Give up the worker held for the blocked job (it started, or the queue is gone)."""
-        w = self.reserved
-        if w is not None:
+        if (w := self.reserved) is not None:
             self.reserved = None
             if w.reserved_for is self.blocked_job:
                 w.reserved_for = None
@@ -5425,9 +5377,8 @@ class Scheduler:
             w = max(could, key=lambda w: _size_key(w.res))
             w.reserved_for = job
             queue.reserved = w
-            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job "
-                     "until it starts", job.name, self.clock() - queue.blocked_since,
-                     job.req, w.name)
+            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job until it "
+                     "starts", job.name, self.clock() - queue.blocked_since, job.req, w.name)
 
     def _backfill(self, queue, limit, first=None):
         """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
@@ -5516,8 +5467,7 @@ class Scheduler:
         req, workers = job.req, self.workers
         if not workers:
             return "no worker has joined yet"
-        if queue.reserved is not None:
-            w = queue.reserved
+        if (w := queue.reserved) is not None:
             return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
                     f"nothing else starts there until it fits ({w.name} has {w.res!r} free)")
         token = _part(req, "Token")
@@ -5548,11 +5498,9 @@ class Scheduler:
         text = f"all {len(large)} worker(s) large enough are busy: {busy}{more}"
         running = [j for w in large for j in w.busy if j.started is not None]
         if running:
-            first = min(running, key=lambda j: (j.started + j.T if j.T else math.inf,
-                                                j.started))
-            ran = format_walltime(now - first.started)
+            first = min(running, key=lambda j: (j.started + j.T if j.T else math.inf, j.started))
             text += (f"; the first to free should be {first.name} on {first.worker.name} "
-                     f"(running for {ran}" +
+                     f"(running for {format_walltime(now - first.started)}" +
                      (f", its T ends in {format_walltime(first.started + first.T - now)})"
                       if first.T else ", no T)"))
         return text
@@ -5646,8 +5594,7 @@ class Reunion:
             raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
         w.res.claim(alloc)
         w.running += 1
-        job = self._claimed(wire, ours)
-        if job is not None:
+        if (job := self._claimed(wire, ours)) is not None:
             _adopt(job, w, alloc)
             return
         w.orphans[wire] = alloc
@@ -5665,8 +5612,7 @@ class Reunion:
             self.failed[wire] = result
             return
         self.failed.pop(wire, None)
-        job = self._claimed(wire, ours)
-        if job is not None:
+        if (job := self._claimed(wire, ours)) is not None:
             self.deliver(job, *result)
         elif type(wire) is str:
             self.finished[wire] = (result, self.clock())
@@ -5676,8 +5622,7 @@ class Reunion:
         number is only this head's own (``ours``), held by job_held."""
         if type(wire) is not str:
             return self.held.pop(wire, None) if ours and wire in self.own_hold else None
-        job = self.held.pop(wire, None)
-        return job if job is not None else self.claim(wire)
+        return self.held.pop(wire, None) or self.claim(wire)
 
     def adopted(self, wire):
         """The job ``wire``, which a worker came back with, was started there again: it is
@@ -5697,12 +5642,11 @@ class Reunion:
         for wire, result in failed.items():  # no worker had a success for these
             self.worker_finished(wire, result)
         held = [job for wire, job in self.held.items() if wire not in self.own_hold]
-        for job in held:
-            del self.held[job.wire]
         if held:
             log.warning("%d job(s) that were running when the last head went run again: "
                         "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
         for job in held:
+            del self.held[job.wire]
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
@@ -5859,8 +5803,7 @@ class HeadService:
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until cancelled; started() with the URLs once peers can connect."""
         async with open_strict_nursery() as nursery:
-            self.urls = await nursery.start(serve, self.listen, self.key,
-                                            self.handle_connection)
+            self.urls = await nursery.start(serve, self.listen, self.key, self.handle_connection)
             if self.job_book is not None:
                 nursery.start_soon(self._watch_submitted_jobs)
             task_status.started(self.urls)
@@ -6088,8 +6031,7 @@ async def attach_to_head(address, key, argv, log_file):
             with contextlib.suppress(Unreachable):
                 return await connect(url, key)
 
-    stream = await existing()
-    if stream is not None:
+    if (stream := await existing()) is not None:
         return stream
     started = trio.current_time()
     proc = spawn_head(argv, log_file)
@@ -6099,8 +6041,7 @@ async def attach_to_head(address, key, argv, log_file):
         with contextlib.suppress(Unreachable):
             return await connect(sock, key)
         if proc.poll() is not None:  # it may have lost a race with another one: try that
-            stream = await existing()
-            if stream is not None:
+            if (stream := await existing()) is not None:
                 return stream
             raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
                              f"answering; the end of its log {log_file}:\n{log_tail(log_file)}")
@@ -6597,11 +6538,11 @@ class GrainExecutor(HeadCore):
                  results=None, rerun_failed=True, report=None, progress=None, nolocal=False,
                  reschedule=True, persistent=True, **no_effect):
         self.waddrs, rpw = _worker_sources(waddrs, rpw)
-        for name in no_effect:  # upstream's that mean nothing here; others are refused
-            if name not in _NO_EFFECT:
-                raise TypeError(f"GrainExecutor() got an unexpected keyword argument {name!r}")
-            log.warning("GrainExecutor(%s=...) has no effect in grain.py: %s", name,
-                        _NO_EFFECT[name])
+        for arg in no_effect:  # upstream's that mean nothing here; others are refused
+            if arg not in _NO_EFFECT:
+                raise TypeError(f"GrainExecutor() got an unexpected keyword argument {arg!r}")
+            log.warning("GrainExecutor(%s=...) has no effect in grain.py: %s", arg,
+                        _NO_EFFECT[arg])
         if not reschedule:  # upstream: "abort on any exception": no retry at all
             temporary_err, max_retries = (), 0
         super().__init__(Retries(max_retries, temporary_err, persistent))
@@ -6724,8 +6665,7 @@ class GrainExecutor(HeadCore):
             self._link.open(self._nursery)
 
     async def _complete_stored(self, job):
-        value, error, kind = await self.stored.fetch(job)
-        self.complete(job, value, error, kind)
+        self.complete(job, *await self.stored.fetch(job))
 
     # -- workers, and what they report --------------------------------------------
     def add_worker(self, worker):
@@ -7109,8 +7049,7 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     head of its own: local resources (``rpw``), passive workers, ``[head.gnaw] enabled =
     false``, or a specialized worker type, whose jobs run in the mission."""
     head, worker = cfg.role("head"), cfg.role("worker")
-    if address is None:
-        address = head.listen
+    address = head.listen if address is None else address
     if address:
         parse_url(address)
     waddrs = executor_args[0] if executor_args else executor_kwargs.get("waddrs", ())
@@ -7200,9 +7139,8 @@ def _substitute(obj):
     """``obj`` with every (already evaluated) Delayed replaced by its value."""
     if isinstance(obj, Delayed):
         return obj._value
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return type(obj)(_substitute(x) for x in obj) if type(obj) in (
-            list, tuple, set, frozenset) else obj
+    if type(obj) in (list, tuple, set, frozenset):  # (not a subclass: it stays as it is)
+        return type(obj)(_substitute(x) for x in obj)
     if isinstance(obj, dict):
         return {k: _substitute(v) for k, v in obj.items()}
     return obj
@@ -7437,10 +7375,8 @@ def each(*items):
     """A Delayed of the list of values of ``items`` (Delayeds or plain values):
     ``await each(f(x) for x in xs)`` or ``await each(a, b)``."""
     if len(items) == 1 and not isinstance(items[0], Delayed):
-        try:
+        with contextlib.suppress(TypeError):  # (one Delayed, or one value: not a sequence)
             items = tuple(items[0])
-        except TypeError:
-            pass
     return Delayed._apply(_gather, tuple(items))
 
 
@@ -8128,16 +8064,13 @@ class HeadDaemon(HeadCore):
         m.gone = True
         self.missions.remove(m)
         dropped = len(self.scheduler.remove_queue(m))
-        cancelled = 0
-        for w in self.scheduler.workers:
-            for job in list(w.busy):
-                if job.queue is m:
-                    w.cancel(job)
-                    cancelled += 1
+        running = [(w, job) for w in self.scheduler.workers for job in w.busy if job.queue is m]
+        for w, job in running:
+            w.cancel(job)
         self._changed()
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
-                 f"; dropped {dropped} queued and cancelled {cancelled} running job(s)"
-                 if dropped or cancelled else "")
+                 f"; dropped {dropped} queued and cancelled {len(running)} running job(s)"
+                 if dropped or running else "")
         self.pump()
 
     def _changed(self):
@@ -8151,11 +8084,8 @@ class HeadDaemon(HeadCore):
             m.channel.send(("warn", text))
 
     async def _watch_idle(self):
-        while True:
-            if self.missions:
-                await self._missions_changed.wait()
-                continue
-            with trio.move_on_after(self.idle_quit) as idle:
+        while True:  # (no deadline while a mission is attached)
+            with trio.move_on_after(math.inf if self.missions else self.idle_quit) as idle:
                 await self._missions_changed.wait()
             if idle.cancelled_caught:
                 log.info("no mission for %s; stopping", format_walltime(self.idle_quit))
@@ -8390,13 +8320,12 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
     """Build the bundle for Python ``python`` ("X.Y"; default: this one). Returns its path."""
     if problem := output_path_problem(out):  # (said before any download)
         raise UsageError(f"-o {out}: {problem}")
+    target = sys.version_info[:2]
     if python:
         m = re.match(r"^(\d+)\.(\d+)$", python)
         if not m:
             raise UsageError(f"--python takes X.Y, e.g. 3.9, got {python!r}")
         target = (int(m.group(1)), int(m.group(2)))
-    else:
-        target = sys.version_info[:2]
     if target < (3, 9):
         raise UsageError(f"grain.py needs Python 3.9 or newer, not {target[0]}.{target[1]}")
     names = PACK_PACKAGES + (PACK_PACKAGES_BELOW_311 if target < (3, 11) else [])
@@ -8647,9 +8576,8 @@ def _cmd_worker(args):
     # (quietly: a worker without a config file is the common case)
     config = find_config_path(args.config)
     s = load_config(config).role("worker") if config else RoleSettings("worker")
-    reattach = s.reattach
-    if args.reattach is not None:  # (a ValueError is bad input too: exit code 2)
-        reattach = parse_duration(args.reattach, "--reattach")
+    reattach = s.reattach if args.reattach is None else \
+        parse_duration(args.reattach, "--reattach")  # (a ValueError is bad input: exit 2)
     return trio_run(functools.partial(worker_main, url=url, res=res, name=args.name,
                                       context_file=args.context, listen=args.listen,
                                       key_path=args.key, oversubscribe=args.oversubscribe,

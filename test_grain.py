@@ -4387,6 +4387,8 @@ def test_run_and_the_executor_take_upstreams_arguments(caplog):
     assert "GrainExecutor(stat_tag=...) has no effect in grain.py" in caplog.text
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         run(main, local=Cores([0]), config_file=False, bogus=1)
+    # (an argument that has no effect leaves the others alone: the local worker's name)
+    assert grain.GrainExecutor(name="mine", stat_tag=str).local_name == "mine"
 
     # upstream's passive workers are host names (port 4242)
     assert grain.GrainExecutor(["node1", "tcp://node2:7"]).waddrs == [
