@@ -1850,9 +1850,9 @@ def unpickle_result(job, ok, data, where):
 # holds one pickled message, a tuple ``(name, *fields)`` from the MESSAGES table, and
 # every receiver hands it to dispatch(). After the handshake, each write of frames ends in
 # a tag frame that proves they came from the key holder, in this order (Seal): what a
-# relay or the path alters, drops, replays or injects is refused before it is unpickled. Job functions,
-# arguments and results travel inside messages as pickle or dill bytes, opened only by
-# missions and workers.
+# relay or the path alters, drops, replays or injects is refused before it is unpickled.
+# Job functions, arguments and results travel inside messages as pickle or dill bytes,
+# opened only by missions and workers.
 
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
 AUTH_MAGIC = b"GRAIN\x03\r\n"  # 8 bytes: protocol name and version (3: sealed writes)
@@ -2562,7 +2562,7 @@ class Channel:
         self.stream = stream
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
-        self._frames = FrameStream(stream, max_frame=max_frame)
+        self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
         self._checked = deque()  # frames received (and proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
@@ -2634,8 +2634,7 @@ class Channel:
             if self._seal is None:
                 self._checked.append(frame)
             else:
-                self._checked.extend(self._seal.opened(frame, self.peer,
-                                                       self._frames._decoder.max_frame))
+                self._checked.extend(self._seal.opened(frame, self.peer, self._max_frame))
         frame = self._checked.popleft()
         self.last_heard = self._clock()
         try:
@@ -5715,19 +5714,14 @@ class HeadCore:
         """A job of this process ended: its value, or the exception it raised."""
         self.scheduler.release(job, ok=error is None)
         job.duration = duration
-        if error is None:
-            self.complete(job, value, None)
-        else:
-            self.settle(job, value, error)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+        self.settle(job, value, error)
+        self.pump()
 
     def job_reported(self, job, ok, data, duration, kind, where):
         """A remote worker's job ended: its value or exception, pickled."""
         self.scheduler.release(job, ok=ok)
         self.deliver(job, ok, data, duration, kind, where)
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
+        self.pump()
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
