@@ -23,7 +23,7 @@ Sections, in dependency order (each uses only what is above it):
     Imports and compat  trio and dill, imported at first use; 3.9/3.10 fallbacks
     Constants           every tunable and timeout, with its unit
     Errors              GrainError and its children
-    Helpers             walltimes, durations, this file's argv, locked files, logging
+    Helpers             walltimes, durations, this file's argv, locked files, logging, TaskPool
     Resources           the resource algebra: Resource, ResourceSet, ZERO, the registry
     Resource kinds      Cores, Memory, Capacity, Token, Gpus, WTime, Node, Reject
     Context             GVAR and the run state, in ContextVars
@@ -219,6 +219,7 @@ STUCK_CHECK_S = 5.0       # seconds between checks of the stuck queue
 BACKFILL_DEPTH = 64       # how far behind a blocked job the scheduler looks for jobs that fit
 RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing else starts there
 FEW_WORKERS = 8           # up to this many, the scheduler looks at each for each job
+IDLE_TASKS = 64           # tasks a worker keeps, done with a job, to run the next (TaskPool)
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -311,7 +312,7 @@ class Unreachable(GrainError):
 ###############################################################################
 # Small pieces every later section may use: walltimes and durations, exceptions, the argv
 # that runs this file again, modules named in a config, files changed under a lock,
-# logging set up for a program that has not.
+# logging set up for a program that has not, tasks reused for one call after another.
 
 _WALLTIME_RE = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]?\d):([0-5]?\d)$")
 
@@ -519,6 +520,39 @@ async def open_background_nursery():
     finally:
         nursery.cancel_scope.cancel()
         await manager.__aexit__(None, None, None)
+
+
+class TaskPool:
+    """Runs ``await fn(*args)`` for each ``start(*args)`` in tasks of ``nursery`` that it
+    reuses: a task done with one call waits to be handed the next (up to IDLE_TASKS of them
+    wait), which costs a wakeup instead of a new trio task, a fifth of a no-op job's cost.
+    Like start_soon, calls start in the order given; unlike it, one sees the context
+    variables an earlier call in its task set (jobs set theirs: GVAR)."""
+
+    def __init__(self, nursery, fn):
+        self.nursery, self.fn, self.idle = nursery, fn, []
+
+    def start(self, *args):
+        if self.idle:
+            box = self.idle.pop()
+            box[1] = args
+            trio.lowlevel.reschedule(box[0])
+        else:
+            self.nursery.start_soon(self._serve, args)
+
+    async def _serve(self, args):
+        idle, box = self.idle, [trio.lowlevel.current_task(), None]
+
+        def abort(_):  # cancelled while it waits: the nursery closes
+            idle.remove(box)
+            return trio.lowlevel.Abort.SUCCEEDED
+        while True:
+            await self.fn(*args)
+            if len(idle) >= IDLE_TASKS:
+                return
+            idle.append(box)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            args = box[1]
 
 
 def hostname():
@@ -4919,10 +4953,11 @@ class LocalWorker(Worker):
         self.context = context
         self.output = output
         self._in_order = deque() if in_order else None
+        self._tasks = TaskPool(nursery, self._run)
 
     def start(self, job):
         if self._in_order is None:
-            self._nursery.start_soon(self._run, job)
+            self._tasks.start(job)
         else:  # (while it holds jobs, one task that runs the next is on its way)
             self._in_order.append(job)
             if len(self._in_order) == 1:
@@ -7511,7 +7546,7 @@ class WorkerProcess:
         self.head = None         # the instance of the head it serves (or lost), if it said
         self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
         self.state, self.why, self.until = "serving", None, None
-        self._nursery = None
+        self._nursery = self._job_tasks = None
         self._attending = None   # the cancel scope of serving (or looking for) a head
 
     def send(self, msg):
@@ -7528,7 +7563,7 @@ class WorkerProcess:
         """Serve the head at ``stream``, offering ``res`` (None: what the head assigns);
         then any head ``reconnect()`` reaches."""
         async with open_strict_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery, self._job_tasks = nursery, TaskPool(nursery, self._run_job)
             await nursery.start(watch_signals, self._signalled)
             await self._session(stream, res)
             while self.state == "alone":
@@ -7637,8 +7672,7 @@ class WorkerProcess:
         if jid in self.running:  # (its result, when it comes, is this one's)
             log.warning("the head asked to run job %r, which runs here already", jid)
             return
-        self._nursery.start_soon(self._run_job, jid, self.functions.get(digest), payload,
-                                 alloc, T)
+        self._job_tasks.start(jid, self.functions.get(digest), payload, alloc, T)
 
     async def _run_job(self, jid, fn, payload, alloc, T):
         started = trio.current_time()

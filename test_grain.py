@@ -918,6 +918,23 @@ async def test_gvar_outside_and_inside_jobs():
 
 
 @trio_test
+async def test_a_worker_runs_jobs_one_after_another_in_one_task_each_seeing_its_gvar():
+    tasks, cores = [], []
+
+    async def job(i):
+        tasks.append(trio.lowlevel.current_task())
+        cores.append(list(GVAR.res.c))
+        GVAR.res = Cores([99])  # what a job sets for itself stays its own
+
+    async with grain.GrainExecutor(rpw=Cores([4, 5])) as exer:
+        for i in range(50):
+            await exer.submit(Cores(1), job, i)
+        await exer.submit(Cores(2), job, 50)
+    assert len(set(tasks)) == 1  # the task of a job that ended took the next
+    assert cores == [[4]] * 50 + [[4, 5]]
+
+
+@trio_test
 async def test_a_plain_trio_tasklet_sets_gvar_res_and_subprocify_pins_to_it():
     cores = sorted(os.sched_getaffinity(0))[:2]
     seen = {}
