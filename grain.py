@@ -97,6 +97,7 @@ import copy
 import errno
 import fnmatch
 import functools
+import gc
 import hashlib
 import hmac
 import importlib.machinery
@@ -220,6 +221,8 @@ BACKFILL_DEPTH = 64       # how far behind a blocked job the scheduler looks for
 RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing else starts there
 FEW_WORKERS = 8           # up to this many, the scheduler looks at each for each job
 IDLE_TASKS = 64           # tasks a worker keeps, done with a job, to run the next (TaskPool)
+FREEZE_JOBS = 100_000     # each time a mission has submitted this many more jobs, the cyclic
+                          # collector stops walking the heap as it is then (gc.freeze)
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -6595,6 +6598,7 @@ class GrainExecutor(HeadCore):
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
+        self._froze = False  # whether it froze the collector's view of the heap (_new_job)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = None
         self.elapsed = None
@@ -6631,22 +6635,28 @@ class GrainExecutor(HeadCore):
                 res = self._last_cores
             else:
                 self._last_cores = res
-        job = Job(next(self._ids), res, fn, args, kwargs or NO_KWARGS, self._main_queue)
-        job.submitted = self._submit_time()
+        job = self._new_job(res, fn, args, kwargs or NO_KWARGS)
         if self._remote and res is not ZERO:
             self._prepare_payload(job)
+        self._enqueue(job)
+        return job
+
+    def _new_job(self, res, fn, args, kwargs):
+        job = Job(next(self._ids), res, fn, args, kwargs, self._main_queue)
+        job.submitted = self._submit_time()
         self._jobs.append(job)
         self._outstanding += 1
-        self._enqueue(job)
+        if not job.id % FREEZE_JOBS:
+            # The jobs live until the mission ends: a full collection of a heap of millions
+            # of them would pause the event loop for a quarter of a second each time.
+            gc.freeze()
+            self._froze = True
         return job
 
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
         (delayed calls whose arguments are still pending). A failure to resolve fails the job."""
-        job = Job(next(self._ids), res, fn, None, None, self._main_queue)
-        job.submitted = self._submit_time()
-        self._jobs.append(job)
-        self._outstanding += 1
+        job = self._new_job(res, fn, None, None)
 
         async def resolve_then_enqueue():
             try:
@@ -6853,6 +6863,8 @@ class GrainExecutor(HeadCore):
     async def _close(self):
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
+        if self._froze:  # (the next full collection walks them again)
+            gc.unfreeze()
 
     async def __aexit__(self, etype, exc, tb):
         try:

@@ -4,6 +4,7 @@ Real processes, real pipes and files; trio's MockClock where time matters."""
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import math
@@ -932,6 +933,23 @@ async def test_a_worker_runs_jobs_one_after_another_in_one_task_each_seeing_its_
         await exer.submit(Cores(2), job, 50)
     assert len(set(tasks)) == 1  # the task of a job that ended took the next
     assert cores == [[4]] * 50 + [[4, 5]]
+
+
+@trio_test
+async def test_a_large_mission_keeps_the_collector_off_its_jobs_until_it_ends(monkeypatch):
+    monkeypatch.setattr(grain, "FREEZE_JOBS", 10)  # (100,000 in real use)
+
+    async def job():
+        pass
+
+    async with grain.GrainExecutor(rpw=Cores(1)) as exer:
+        for _ in range(9):
+            exer.submit(Cores(1), job)
+        assert gc.get_freeze_count() == 0  # a small mission changes nothing
+        jobs = [exer.submit(Cores(1), job) for _ in range(16)]
+        frozen = gc.get_freeze_count()
+    assert frozen > 25  # the jobs, their requests, ... are out of the collector's walk
+    assert gc.get_freeze_count() == 0 and all(j.done() for j in jobs)  # back in, at its end
 
 
 @trio_test
