@@ -129,10 +129,9 @@ from dataclasses import dataclass, field, fields, replace
 
 _missing = [name for name in ("trio", "dill") if importlib.util.find_spec(name) is None]
 if _missing:  # pragma: no cover - depends on the machine
-    raise ImportError(
-        f"grain.py needs trio and dill (no module named {', '.join(_missing)}); install "
-        "them with `python -m pip install trio dill`, or use the self-contained grain.pyz "
-        "built by `python grain.py pack`")
+    raise ImportError(f"grain.py needs trio and dill (no module named {', '.join(_missing)}); "
+                      "install them with `python -m pip install trio dill`, or use the "
+                      "self-contained grain.pyz built by `python grain.py pack`")
 
 
 def _package_version(name, version_file):
@@ -735,8 +734,7 @@ class Resource:
         for kind, want in req._parts().items():
             mine = have.get(kind)
             if mine is None:
-                return (f"Cannot alloc: resource {self!r} does not have the same shape as "
-                        f"{req!r}")
+                return f"Cannot alloc: resource {self!r} does not have the same shape as {req!r}"
             if not mine._request(want):
                 return mine._refusal(want)
         return None
@@ -811,11 +809,10 @@ class Resource:
             if not isinstance(args, dict):
                 raise ValueError(f"resource {kind}: expected a table of arguments, got {args!r}")
             allowed = getattr(cls, "_ARGS", None)
-            if allowed is not None:
-                unknown = sorted(set(args) - set(allowed))
-                if unknown:
-                    raise ValueError(f"resource {kind}: unknown argument {unknown[0]!r} "
-                                     f"(expected {', '.join(allowed)})")
+            unknown = [] if allowed is None else sorted(set(args) - set(allowed))
+            if unknown:
+                raise ValueError(f"resource {kind}: unknown argument {unknown[0]!r} "
+                                 f"(expected {', '.join(allowed)})")
             try:
                 out = out & cls(**args)
             except TypeError as e:
@@ -1311,8 +1308,7 @@ class Gpus(Resource):
     def _repr(self):
         if self.ids is None and self._free is None:
             return f"GPUs({self.N:g})"
-        ids = self.ids if self._free is None else \
-            [i for i, f in self._free.items() if f > 1e-9]
+        ids = self.ids if self._free is None else [i for i, f in self._free.items() if f > 1e-9]
         share = f"x{self.share:g}" if self.share is not None else ""
         return f"GPUs([{_fmt_devices(ids)}]{share})"
 
@@ -1321,10 +1317,8 @@ class Gpus(Resource):
         return (round(sum(free.values()), 3), len(free))
 
     def _args(self):
-        args = {"N": self.N if self.ids is None else list(self.ids)}
-        if self.vendor != "nvidia":
-            args["vendor"] = self.vendor
-        return args
+        return {"N": self.N if self.ids is None else list(self.ids),
+                **({} if self.vendor == "nvidia" else {"vendor": self.vendor})}
 
     def _key(self):
         return (self.N, self.ids, self.share)
@@ -1864,11 +1858,9 @@ def unpickle_result(job, ok, data, where):
         if not ok:
             error, tb = value
             if not isinstance(error, BaseException) or not isinstance(tb, str):
-                raise TypeError(f"an exception and its traceback were expected, got "
-                                f"{value!r:.80}")
+                raise TypeError(f"an exception and its traceback were expected, got {value!r:.80}")
     except Exception as e:
-        return None, GrainError(f"the result of job {job.name} could not be unpickled "
-                                f"here: {e}")
+        return None, GrainError(f"the result of job {job.name} could not be unpickled here: {e}")
     if ok:
         return value, None
     if tb:
@@ -2242,8 +2234,7 @@ async def open_listeners(url):
     except OSError as e:
         why = {errno.EADDRINUSE: "another process listens there already",
                errno.EADDRNOTAVAIL: "no interface of this machine has that address",
-               errno.ENOENT: "its directory does not exist"}.get(
-                   e.errno, e.strerror or str(e))
+               errno.ENOENT: "its directory does not exist"}.get(e.errno, e.strerror or str(e))
         raise ListenError(f"cannot listen at {url}: {why}") from None
     raise ValueError(f"cannot listen on {url!r} directly")
 
@@ -2368,10 +2359,9 @@ class EdgeFile:
 
 def _order_urls(record):
     """A record's URLs, a Unix socket first when the record is from this host."""
-    urls = list(record.get("urls", {}).values())
     same_host = record.get("host") == hostname()
-    return sorted(urls, key=lambda u: (not (same_host and u.startswith("unix:")),
-                                       not u.startswith("tcp://127.")))
+    return sorted(record.get("urls", {}).values(), key=lambda u: (
+        not (same_host and u.startswith("unix:")), not u.startswith("tcp://127.")))
 
 
 async def _edge_listeners(edge_path, tag):
@@ -2784,8 +2774,7 @@ async def bridge_receive(stream):
     if n > BRIDGE_PACKET:
         raise PeerError(f"a message of {n} bytes (at most {BRIDGE_PACKET})")
     try:
-        return (await _receive_exactly(stream, n, "inside a message", PeerError)).decode(
-            "ascii")
+        return (await _receive_exactly(stream, n, "inside a message", PeerError)).decode("ascii")
     except UnicodeDecodeError:
         raise PeerError("a message that is not ASCII") from None
 
@@ -2837,8 +2826,7 @@ async def _meet(host, port, label, options, other=None):
         async def accept():
             with contextlib.suppress(OSError):
                 while True:
-                    found.send_nowait((trio.SocketStream((await listener.accept())[0]),
-                                       "direct"))
+                    found.send_nowait((trio.SocketStream((await listener.accept())[0]), "direct"))
 
         async def dial(address):
             h, _, p = address.rpartition(":")
@@ -3809,11 +3797,8 @@ def _pbs_time_left(job_id):
 
 def parse_ids(text):
     """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
-    ids = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        ids.extend(range(int(lo), int(hi or lo) + 1))
-    return ids
+    return [i for lo, _, hi in (part.partition("-") for part in text.split(","))
+            for i in range(int(lo), int(hi or lo) + 1)]
 
 
 def _slurm_cpu_ids(job_id):
@@ -5471,9 +5456,8 @@ class Scheduler:
                      "no worker has joined yet (give run() local=..., or start workers with "
                      "`python grain.py up`)")
             out.append((q, f"job {q.blocked_job.name} requesting "
-                           f"{request_text(q.blocked_job.req)} has "
-                           f"fitted no worker for {waited:.0f} s; {where}; {len(q.jobs)} "
-                           "job(s) queued"))
+                           f"{request_text(q.blocked_job.req)} has fitted no worker for "
+                           f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued"))
         return out
 
     def too_large(self, job):
@@ -5992,8 +5976,7 @@ class HeadService:
         st, tally = self.owner.statistics(), self.owner.tally
         workers = [dict({key: (w.free.get(kind, (0, 0))[0], w.total.get(kind, (0, 0))[1])
                          for key, kind, _ in LS_AMOUNTS},
-                        name=w.name, running=w.running, status=w.status, where=w.where,
-                        via=w.via,
+                        name=w.name, running=w.running, status=w.status, where=w.where, via=w.via,
                         walltime=w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                         job_id=w.job_id) for w in st.workers]
         return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
@@ -6301,10 +6284,9 @@ class ProgressLine:
         left = f" (~{format_walltime((total - ended) * elapsed / ended)} left)" \
             if ended and total > ended else ""
         why = ", ".join(f"{k}: {v}" for k, v in sorted(exer.tally.failed_by_class.items()))
-        return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, "
-                f"{running} running, {sched.n_queued} queued, {failed} "
-                f"failed{f' ({why})' if why else ''} | {busy}/{held} cores busy on "
-                f"{len(sched.workers)} worker(s)")
+        return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {running} running, "
+                f"{sched.n_queued} queued, {failed} failed{f' ({why})' if why else ''} | "
+                f"{busy}/{held} cores busy on {len(sched.workers)} worker(s)")
 
     def clear(self):
         if self.shown:
@@ -6323,8 +6305,7 @@ class ProgressLine:
     def draw(self):
         if not self.partial:
             import shutil
-            width = shutil.get_terminal_size().columns - 1
-            self.stream.write("\r\x1b[K" + self.text()[:width])
+            self.stream.write("\r\x1b[K" + self.text()[:shutil.get_terminal_size().columns - 1])
             self.stream.flush()
             self.shown = True
 
@@ -6436,17 +6417,13 @@ def _report_html(record, ran, t0, end, x, title):
         pts = " ".join(f"{px},{120 - 110 * v / top:.1f}" for px, v in points)
         return f'<polyline class="{cls}" points="{pts}"/>'
 
-    labels, last = [], None
-    for i, (name, core) in enumerate(rows):
-        if name != last:
-            labels.append(f'<text x="-4" y="{i * h + 8}">{html.escape(name)}</text>')
-            last = name
+    labels = [f'<text x="-4" y="{i * h + 8}">{html.escape(name)}</text>'
+              for i, (name, _) in enumerate(rows) if name != (rows[i - 1][0] if i else None)]
     slow = sorted((j for j in ran if j.ended), key=lambda j: j.started - j.ended)[:10]
     failed = [j for j in ran if j.state == "failed"][:50]
     use = f"{t['used'] / t['held']:.0%}" if t["held"] else "unknown (the head daemon's)"
     cells = [("jobs", t["jobs"]), ("done", t["done"]), ("failed", t["failed"]),
-             ("wall time", f"{end - t0:.1f} s" if end - t0 < 60 else
-              format_walltime(end - t0)),
+             ("wall time", f"{end - t0:.1f} s" if end - t0 < 60 else format_walltime(end - t0)),
              ("core-hours allocated", f"{t['held'] / 3600:.3g}"),
              ("core-hours used by jobs", f"{t['used'] / 3600:.3g}"), ("utilization", use)]
     esc = html.escape
@@ -7615,8 +7592,7 @@ class WorkerProcess:
     async def _assigned(self, channel):
         """What a head that dialled this passive worker assigns it to offer."""
         try:
-            assigned = dispatch({"assign": lambda res: res}, await channel.receive(),
-                                "the head")
+            assigned = dispatch({"assign": lambda res: res}, await channel.receive(), "the head")
         except PeerError as e:
             raise GrainError(f"{e} instead of an assignment") from None
         return _fit_allocation(worker_provider(assigned, self.oversubscribe))
@@ -7624,8 +7600,8 @@ class WorkerProcess:
     async def _receive(self, channel):
         handlers = {"fn": self.on_function, "run": self.on_run, "ping": _ignore,
                     "head": functools.partial(setattr, self, "head"),
-                    "fin": self.on_fin, "drain": self.on_drain, "leave": self.on_leave,
-                    "cancel": self.on_cancel}
+                    "fin": self.on_fin, "drain": self.on_drain, "cancel": self.on_cancel,
+                    "leave": functools.partial(self.leave, "asked to quit now (-f)")}
         try:
             await receive_all(channel, handlers)
         except PeerError as e:
@@ -7758,9 +7734,6 @@ class WorkerProcess:
         self.state, self.why = "draining", "asked to quit"
         if not self.running:
             self.leave(self.why)
-
-    def on_leave(self):
-        self.leave("asked to quit now (-f)")
 
     async def _watch_walltime(self):
         wt = _part(self.res, "WTime")
@@ -7911,9 +7884,7 @@ class SwarmKeeper:
         """Seconds until another submission is allowed (0: now)."""
         while self.submitted and self.submitted[0] <= now - self.window:
             self.submitted.popleft()
-        if len(self.submitted) < self.quota:
-            return 0.0
-        return self.submitted[0] + self.window - now
+        return 0.0 if len(self.submitted) < self.quota else self.submitted[0] + self.window - now
 
     def statistics(self, joined):
         return {"target": self.target, "joined": joined, "pending": sorted(self.pending),
@@ -8070,8 +8041,7 @@ class HeadDaemon(HeadCore):
         self.missions.append(m)
         self.scheduler.add_queue(m)
         self._changed()
-        channel.send(("attached", {"pid": os.getpid(), "host": hostname(),
-                                   "log": self.log_file}))
+        channel.send(("attached", {"pid": os.getpid(), "host": hostname(), "log": self.log_file}))
         log.info("mission %s attached from %s%s", m.name, m.host,
                  " (prioritized)" if m.prioritized else "")
         try:
@@ -8137,9 +8107,8 @@ class HeadDaemon(HeadCore):
         stats = self.service.stats()
         running = Counter(job.queue for w in self.scheduler.workers for job in w.busy)
         stats["missions"] = [{"name": m.name, "host": m.host, "prioritized": m.prioritized,
-                              "queued": len(m.jobs), "running": running.get(m, 0),
-                              "done": m.done, "failed": m.failed,
-                              "since": m.since} for m in self.missions]
+                              "queued": len(m.jobs), "running": running.get(m, 0), "done": m.done,
+                              "failed": m.failed, "since": m.since} for m in self.missions]
         if self.swarm is not None:
             stats["swarm"] = self.swarm.statistics(self._joined())
         return stats
@@ -8162,8 +8131,7 @@ class HeadDaemon(HeadCore):
 
 async def head_main(s, worker, key, idle_quit=None):
     """Run the head daemon for head settings ``s`` until stopped, idle or signalled."""
-    swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window) if worker.system \
-        else None
+    swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window) if worker.system else None
     daemon = HeadDaemon(
         s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
         mission_socket=mission_socket_path(s.listen),
@@ -8261,15 +8229,13 @@ def _from_wheels(directory, names, target):
             old = found.get(_norm(name))
             if old is None or _version_key(version) > _version_key(old[0]):
                 found[_norm(name)] = (version, files)
-    out = {}
     for name in names:
         if _norm(name) not in found:
             raise GrainError(f"no wheel of {name} supporting Python "
                              f"{target[0]}.{target[1]} in {directory}"
                              + (" (trio 0.31 is the newest for Python 3.9)"
                                 if name == "trio" and target < (3, 10) else ""))
-        out[name] = found[_norm(name)]
-    return out
+    return {name: found[_norm(name)] for name in names}
 
 
 def _from_installed(names, target):
@@ -8281,19 +8247,16 @@ def _from_installed(names, target):
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
-            raise GrainError(f"{name} is not installed here and no wheel was given "
-                             "(use --wheels DIR, or a machine that reaches a package index)"
-                             ) from None
+            raise GrainError(f"{name} is not installed here and no wheel was given (use --wheels "
+                             "DIR, or a machine that reaches a package index)") from None
         requires = dist.metadata.get("Requires-Python")
         if not python_supports(requires, target):
             raise GrainError(f"the installed {name} {dist.version} needs Python "
                              f"{requires}, not {target[0]}.{target[1]}; give --wheels DIR "
                              f"with a {name} for {target[0]}.{target[1]}")
-        files = {}
-        for f in dist.files or ():
-            rel = str(f).replace(os.sep, "/")
-            if _bundle_file(rel) and not rel.startswith(".."):
-                files[rel] = f.read_binary()
+        files = {rel: f.read_binary() for f in dist.files or ()
+                 for rel in [str(f).replace(os.sep, "/")]
+                 if _bundle_file(rel) and not rel.startswith("..")}
         out[name] = (dist.version, files)
     return out
 
@@ -8453,11 +8416,9 @@ def format_ls(stats):
         inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
         return f" ({inner})" if inner else ""
 
-    lines.append("")
-    lines.append(f"jobs: {stats['queued']} queued, {stats['running']} running, "
-                 f"{stats['done']} done, {stats['failed']} failed"
-                 f"{by_class(stats['failed_by_class'])}, {stats['retried']} retried"
-                 f"{by_class(stats['retried_by_class'])}")
+    lines += ["", f"jobs: {stats['queued']} queued, {stats['running']} running, {stats['done']} "
+                  f"done, {stats['failed']} failed{by_class(stats['failed_by_class'])}, "
+                  f"{stats['retried']} retried{by_class(stats['retried_by_class'])}"]
     if stats["next"]:
         lines.append(f"next pending job requests {stats['next']}")
     lines += [f"  {line}" for line in format_waiting(stats.get("waiting", ()), blocked=True)]
@@ -8465,9 +8426,8 @@ def format_ls(stats):
         lines += ["", f"missions: {len(stats['missions'])} attached"]
         for m in stats["missions"]:
             first = " (prioritized)" if m["prioritized"] else ""
-            lines.append(f"  {m['name']} on {m['host']}{first}: "
-                         f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
-                         f"{m['failed']} failed")
+            lines.append(f"  {m['name']} on {m['host']}{first}: {m['queued']} queued, "
+                         f"{m['running']} running, {m['done']} done, {m['failed']} failed")
     sw = stats.get("swarm")
     if sw is not None and not sw["target"] and not sw["pending"]:
         lines.append("swarm: autoscaling is off (`grain.py scale N` turns it on)")
@@ -8485,21 +8445,18 @@ def _versions():
     where = " bundle" if os.path.isfile(os.path.dirname(os.path.abspath(__file__))) else ""
     tomli = "" if sys.version_info >= (3, 11) or tomllib is None else \
         f", tomli {getattr(tomllib, '__version__', '?')}"
-    return (f"grain.py{where} {__version__} (trio {_package_version('trio', '_version.py')}, "
-            f"dill {_package_version('dill', '__info__.py')}{tomli}, "
-            f"Python {sys.version.split()[0]})")
+    return (f"grain.py{where} {__version__} (trio {_package_version('trio', '_version.py')}, dill "
+            f"{_package_version('dill', '__info__.py')}{tomli}, Python {sys.version.split()[0]})")
 
 
 # Options several commands share, by name: (flags, argparse keywords).
 _SHARED_OPTIONS = {
     "config": (("-c", "--config"), dict(metavar="FILE", help="the config (default: "
                                         "$GRAIN_CONFIG, else ./grain.toml)")),
-    "address": (("-a", "--address"), dict(help="the head's address (default: "
-                                          "worker.cli_dial)")),
+    "address": (("-a", "--address"), dict(help="the head's address (default: worker.cli_dial)")),
     "key": (("--key",), dict(metavar="PATH", help="the shared key file (default "
                              "~/.local/share/grain/key)")),
-    "dry": (("--dry",), dict(action="store_true", help="print the job script; submit "
-                             "nothing")),
+    "dry": (("--dry",), dict(action="store_true", help="print the job script; submit nothing")),
 }
 _AT_HEAD = ("address", "config", "key")
 # The commands: name, help, shared options, options of its own.
