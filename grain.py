@@ -528,8 +528,8 @@ class TaskPool:
     """Runs ``await fn(*args)`` for each ``start(*args)`` in tasks of ``nursery`` that it
     reuses: a task done with one call waits to be handed the next (up to IDLE_TASKS of them
     wait), which costs a wakeup instead of a new trio task, a fifth of a no-op job's cost.
-    Like start_soon, calls start in the order given; unlike it, one sees the context
-    variables an earlier call in its task set (jobs set theirs: GVAR)."""
+    Unlike start_soon, a call sees the context variables that an earlier call in its task
+    set (each job sets its own: GVAR)."""
 
     def __init__(self, nursery, fn):
         self.nursery, self.fn, self.idle = nursery, fn, []
@@ -540,21 +540,23 @@ class TaskPool:
             box[1] = args
             trio.lowlevel.reschedule(box[0])
         else:
-            self.nursery.start_soon(self._serve, args)
+            self.nursery.start_soon(self._serve, [None, args])
 
-    async def _serve(self, args):
-        idle, box = self.idle, [trio.lowlevel.current_task(), None]
+    async def _serve(self, box):  # box: [this task, the arguments of its next call]
+        idle, box[0] = self.idle, trio.lowlevel.current_task()
 
         def abort(_):  # cancelled while it waits: the nursery closes
             idle.remove(box)
             return trio.lowlevel.Abort.SUCCEEDED
         while True:
-            await self.fn(*args)
+            # (the arguments are never a local here: trio reads this frame's locals, and
+            # a snapshot of them would keep a job's payload while the task waits)
+            await self.fn(*box[1])
+            box[1] = None
             if len(idle) >= IDLE_TASKS:
                 return
             idle.append(box)
             await trio.lowlevel.wait_task_rescheduled(abort)
-            args = box[1]
 
 
 def hostname():

@@ -24,6 +24,7 @@ import sys
 import textwrap
 import time
 import types
+import weakref
 
 import pytest
 import trio
@@ -933,6 +934,33 @@ async def test_a_worker_runs_jobs_one_after_another_in_one_task_each_seeing_its_
         await exer.submit(Cores(2), job, 50)
     assert len(set(tasks)) == 1  # the task of a job that ended took the next
     assert cores == [[4]] * 50 + [[4, 5]]
+
+
+@trio_test
+async def test_a_task_pool_reuses_a_task_and_keeps_nothing_of_the_call_it_ended():
+    class Payload:  # (bytes cannot be weakly referenced)
+        pass
+
+    tasks, ended = [], trio.Event()
+
+    async def call(payload, last):
+        tasks.append(trio.lowlevel.current_task())
+        if last:
+            ended.set()
+
+    payload = Payload()
+    gone = weakref.ref(payload)
+    async with trio.open_nursery() as nursery:
+        pool = grain.TaskPool(nursery, call)
+        pool.start(payload, False)
+        del payload
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        assert gone() is None  # an idle task does not keep its last call's arguments
+        pool.start(Payload(), True)
+        await ended.wait()
+        nursery.cancel_scope.cancel()  # (idle tasks leave when their nursery is cancelled)
+    assert len(tasks) == 2 and tasks[0] is tasks[1]
 
 
 @trio_test
