@@ -6577,7 +6577,7 @@ class GrainExecutor(HeadCore):
         self._ids = itertools.count(1)
         self._outstanding = 0
         self._all_done = None
-        self._froze = False  # whether it froze the collector's view of the heap (_new_job)
+        self._froze = False  # whether it froze the collector's view of the heap (_track)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = None
         self.elapsed = None
@@ -6614,14 +6614,15 @@ class GrainExecutor(HeadCore):
                 res = self._last_cores
             else:
                 self._last_cores = res
-        job = self._new_job(res, fn, args, kwargs or NO_KWARGS)
+        job = Job(next(self._ids), res, fn, args, kwargs or NO_KWARGS, self._main_queue)
         if self._remote and res is not ZERO:
-            self._prepare_payload(job)
+            self._prepare_payload(job)  # (first: a job that cannot be sent is not one)
+        self._track(job)
         self._enqueue(job)
         return job
 
-    def _new_job(self, res, fn, args, kwargs):
-        job = Job(next(self._ids), res, fn, args, kwargs, self._main_queue)
+    def _track(self, job):
+        """Count ``job`` as submitted: ``results`` and ``wait_all`` wait for it."""
         job.submitted = self._submit_time()
         self._jobs.append(job)
         self._outstanding += 1
@@ -6630,12 +6631,12 @@ class GrainExecutor(HeadCore):
             # of them would pause the event loop for a quarter of a second each time.
             gc.freeze()
             self._froze = True
-        return job
 
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
         (delayed calls whose arguments are still pending). A failure to resolve fails the job."""
-        job = self._new_job(res, fn, None, None)
+        job = Job(next(self._ids), res, fn, None, None, self._main_queue)
+        self._track(job)
 
         async def resolve_then_enqueue():
             try:
