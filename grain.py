@@ -244,6 +244,8 @@ JOB_WATCH_S = 10.0        # seconds between checks for batch jobs that ended unj
 LEAVE_BEFORE_S = 180.0    # seconds before its walltime ends that a job script's worker leaves
 BATCH_QUERY_S = 30.0      # seconds a query of the batch system (squeue, qstat) may take
 SUBMIT_S = 60.0           # seconds a submission (sbatch, qsub) or cancellation may take
+SUBMIT_TRIES = 4          # tries of a submission while the batch system answers that it is busy
+SUBMIT_BACKOFF_S = 2.0    # seconds before the second try, doubled before each next
 HEAD_START_S = 20.0       # seconds a mission waits for the head daemon it started to answer
 HEAD_POLL_S = 0.005       # ... polling its socket this often
 ATTACH_TRIES = 3          # daemons a mission tries that close on it before answering
@@ -3823,21 +3825,26 @@ def _custom_submit(s):
 # The batch systems, every command and format each needs. job_id_env: the variable that
 # tells a job its id (a custom template exports GRAIN_JOB_ID: first, as it names the
 # submission grain made). states(ids, custom) -> {id: state}; time_left(id) -> seconds.
+# busy: what a submission that failed says when the controller was only too busy to take
+# it (a regular expression, case-insensitive): it is tried again (see submit_script).
+_BUSY = "Socket timed out|Resource temporarily unavailable|try again later"
 SYSTEMS = {
     "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
                "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
                "states": _custom_states, "time_left": None, "cpu_ids": None,
-               "job_id_env": "GRAIN_JOB_ID",
+               "job_id_env": "GRAIN_JOB_ID", "busy": _BUSY,
                "hint": "check custom_system.submit_cmd in grain.toml"},
     "slurm": {"directive": "#SBATCH", "lines": _slurm_lines, "prologue": "",
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
               "states": _slurm_states, "time_left": _slurm_time_left,
               "cpu_ids": _slurm_cpu_ids, "job_id_env": "SLURM_JOB_ID",
+              "busy": _BUSY + "|Unable to contact slurm controller|slurm_persist_conn",
               "hint": "is this a Slurm login node? If not, set system in grain.toml"},
     "pbs": {"directive": "#PBS", "lines": _pbs_lines, "prologue": "cd \"$PBS_O_WORKDIR\"",
             "submit": lambda s: ["qsub"], "cancel": lambda c: ["qdel"],
             "states": lambda ids, custom=None: {i: _pbs_state(i) for i in ids},
             "time_left": _pbs_time_left, "cpu_ids": None, "job_id_env": "PBS_JOBID",
+            "busy": _BUSY + "|busy|End of File|cannot connect to server",
             "hint": "is this a PBS/Torque login node? If not, set system in grain.toml"},
 }
 assert set(SYSTEMS) == set(BATCH_SYSTEMS)
@@ -4086,8 +4093,20 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
     path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
                                      f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
-    out = _run_command(argv + list(extra_args) + [path], "submission",
-                       SYSTEMS.get(s.system, SYSTEMS["custom"])["hint"])
+    spec = SYSTEMS.get(s.system, SYSTEMS["custom"])
+    for attempt in range(SUBMIT_TRIES):  # a busy controller is tried again, with back-off
+        try:
+            out = _run_command(argv + list(extra_args) + [path], "submission", spec["hint"])
+            break
+        except GrainError as e:
+            if not re.search(spec["busy"], str(e), re.I):
+                raise
+            if attempt + 1 == SUBMIT_TRIES:
+                raise GrainError(f"{e} (tried {SUBMIT_TRIES} times: the batch system was "
+                                 "busy each time)") from None
+            wait = SUBMIT_BACKOFF_S * 2 ** attempt
+            log.warning("%s; the batch system is busy: trying again in %g s", e, wait)
+            time.sleep(wait)
     batch_id = (out.strip().split() or ["?"])[-1].split(";")[0]
     name, log_file = job_name_and_log(s, when, seq)
     JobBook(s.dial if role == "worker" else s.listen).add({

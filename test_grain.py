@@ -2523,6 +2523,51 @@ def test_a_submit_command_that_fails_to_run_or_to_return_is_one_error(tmp_path, 
         assert str(info.value) == said
 
 
+def test_a_busy_batch_system_is_tried_again_with_back_off_then_reported(tmp_path, monkeypatch):
+    # A fake sbatch, on PATH: busy (Slurm's own words) as many times as busy.txt says, then
+    # it takes the job; its tries are counted in tries.txt.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/sh\n"
+        f"cd {tmp_path}\n"
+        "echo x >> tries.txt\n"
+        "if [ $(wc -l < tries.txt) -le $(cat busy.txt) ]; then\n"
+        "  echo 'sbatch: error: Batch job submission failed: Socket timed out on send/recv "
+        "operation' >&2; exit 1\n"
+        "fi\n"
+        "if [ -e refuse ]; then echo 'sbatch: error: invalid partition specified: x' >&2; "
+        "exit 1; fi\n"
+        "echo 4242\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(grain, "SUBMIT_BACKOFF_S", 0.01)
+    monkeypatch.chdir(tmp_path)
+    cfg = grain.parse_config('system = "slurm"\n', "x.toml").role("worker")
+    script = grain.render_script(cfg, "true")
+
+    def submit(busy, refuse=False):
+        (tmp_path / "busy.txt").write_text(busy)
+        if refuse:
+            (tmp_path / "refuse").write_text("")
+        (tmp_path / "tries.txt").write_text("")
+        try:
+            return grain.submit_script(cfg, script)
+        finally:
+            tries.append(len((tmp_path / "tries.txt").read_text().split()))
+
+    tries = []
+    assert submit("2") == "4242"  # busy twice, then taken: submitted once
+    with pytest.raises(grain.GrainError) as busy:
+        submit("9")
+    with pytest.raises(grain.GrainError) as refused:
+        submit("0", refuse=True)
+    assert tries == [3, grain.SUBMIT_TRIES, 1]  # a refusal is not tried again
+    assert str(busy.value).endswith("Socket timed out on send/recv operation (tried 4 times: "
+                                    "the batch system was busy each time)")
+    assert "invalid partition" in str(refused.value) and "tried" not in str(refused.value)
+
+
 def test_submit_without_a_batch_system(tmp_path):
     cfg = tmp_path / "grain.toml"
     cfg.write_text('system = "slurm"\n')
