@@ -3764,15 +3764,24 @@ def _slurm_states(ids, custom=None):
     return {i: listed.get(i, ENDED) for i in ids}
 
 
-def _pbs_state(job_id):
-    cp = _query(["qstat", "-f", job_id])
-    if cp.returncode == 153 or "Unknown Job" in cp.stderr:  # PBS's "no such job"
-        return ENDED
-    m = re.search(r"job_state\s*=\s*(\w+)", cp.stdout)
-    if cp.returncode != 0 or not m:
-        return UNKNOWN
-    return {"C": ENDED, "F": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(
-        m.group(1), m.group(1))
+def _pbs_states(ids, custom=None):
+    """One ``qstat -f`` for all of ``ids`` (never one a job). A job it lists has its state;
+    one it says it does not know (or that has finished, PBS Pro) has ENDED; of the rest,
+    nobody could say (UNKNOWN), but when qstat's exit says only "unknown job" (153)."""
+    cp = _query(["qstat", "-f", *ids])
+    listed = {block.split()[0].split(".")[0]: re.search(r"job_state\s*=\s*(\w+)", block)
+              for block in cp.stdout.split("Job Id:")[1:] if block.split()}
+    gone = " ".join(line for line in cp.stderr.splitlines()
+                    if "Unknown Job" in line or "has finished" in line)
+
+    def state(i):
+        n = i.split(".")[0]
+        if listed.get(n):
+            s = listed[n].group(1)
+            return {"C": ENDED, "F": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(s, s)
+        known_gone = re.search(rf"(?<![\w.]){re.escape(n)}\b", gone)
+        return ENDED if known_gone or (cp.returncode == 153 and n not in listed) else UNKNOWN
+    return {i: state(i) for i in ids}
 
 
 def _query(argv):
@@ -3842,7 +3851,7 @@ SYSTEMS = {
               "hint": "is this a Slurm login node? If not, set system in grain.toml"},
     "pbs": {"directive": "#PBS", "lines": _pbs_lines, "prologue": "cd \"$PBS_O_WORKDIR\"",
             "submit": lambda s: ["qsub"], "cancel": lambda c: ["qdel"],
-            "states": lambda ids, custom=None: {i: _pbs_state(i) for i in ids},
+            "states": _pbs_states,
             "time_left": _pbs_time_left, "cpu_ids": None, "job_id_env": "PBS_JOBID",
             "busy": _BUSY + "|busy|End of File|cannot connect to server",
             "hint": "is this a PBS/Torque login node? If not, set system in grain.toml"},

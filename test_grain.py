@@ -2652,6 +2652,32 @@ def test_a_failed_batch_query_means_unknown_never_ended(tmp_path, monkeypatch, f
     assert grain.batch_states("pbs", ["7"]) == {"7": "UNKNOWN"}
 
 
+def test_pbs_is_asked_about_all_jobs_in_one_query(tmp_path, monkeypatch):
+    # What Torque's `qstat -f 41.srv 42.srv 43.srv` says when 43 has gone: the blocks of
+    # the others, a line for 43 on stderr, and exit 153 (PBSE_UNKJOBID).
+    (tmp_path / "qstat").write_text(textwrap.dedent("""\
+        #!/bin/sh
+        echo "$@" >> {calls}
+        cat <<'EOF'
+        Job Id: 41.srv.cluster
+            Job_Name = grain-worker
+            job_state = R
+            Walltime.Remaining = 300
+
+        Job Id: 42.srv.cluster
+            Job_Name = grain-worker-1
+            job_state = Q
+        EOF
+        echo 'qstat: Unknown Job Id Error 43.srv.cluster' >&2
+        exit 153
+        """).format(calls=tmp_path / "calls"))
+    (tmp_path / "qstat").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert grain.batch_states("pbs", ["41.srv", "42.srv", "43.srv"]) == {
+        "41.srv": "RUNNING", "42.srv": "PENDING", "43.srv": "ENDED"}
+    assert (tmp_path / "calls").read_text() == "-f 41.srv 42.srv 43.srv\n"  # one query
+
+
 def test_down_and_ls_keep_jobs_whose_state_is_unknown(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
