@@ -6088,8 +6088,9 @@ async def attach_to_head(address, key, argv, log_file):
         if proc.poll() is not None:  # it may have lost a race with another one: try that
             if (stream := await existing()) is not None:
                 return stream
+            tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
             raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
-                             f"answering; the end of its log {log_file}:\n{log_tail(log_file)}")
+                             f"answering; the end of its log {log_file}: {tail}")  # (one line)
         if trio.current_time() - started > HEAD_START_S:
             raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
                              f"{HEAD_START_S:g} s; see its log {log_file}")
