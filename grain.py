@@ -3482,7 +3482,7 @@ _want_count = _want(lambda v: _is_number(v, int) and v >= 0, "a whole number >= 
 # upstream's examples write queue = "''" for "the default queue"
 _want_queue = _want(lambda v: isinstance(v, str), "a string",
                     lambda v: "" if v in ("''", '""') else v)
-BATCH_SYSTEMS = ("slurm", "pbs", "custom")  # the keys of SYSTEMS (Cluster, below)
+BATCH_SYSTEMS = ("slurm", "pbs", "pbspro", "sge", "lsf", "flux", "custom")  # SYSTEMS' keys
 
 
 def _want_walltime(v):
@@ -3549,6 +3549,11 @@ class ScriptSettings:
     extra_args: tuple = ()
     setup_cleanup: str = ""
     python: str = ""  # "" = the interpreter running `up`
+    parallel_env: str = "smp"  # Grid Engine's parallel environment of `-pe NAME cores`
+    array: bool = False  # several workers at once: one array job (where the system has them)
+    max_submit_rate: float = setting(0.0, _want(lambda v: _is_number(v) and v >= 0, "a number"
+                                                " of submissions a second >= 0 (0: no limit)"))
+    max_queued: int = 0  # worker jobs submitted and not joined, at most (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -3593,6 +3598,7 @@ class RoleSettings:
     cli_dial: str = setting("", None, _WORKER, path=True)
     res: dict = setting({}, None, _WORKER)
     specialized_type: str = setting("", None, _WORKER)  # a module: see specialized workers
+    wrap: str = setting("", None, _WORKER)  # the worker's command runs inside this container
     reattach: float = setting(REATTACH_S, None, _WORKER)  # a headless worker keeps its jobs
     results: str = setting("", None, _ALL)  # a mission's results store (relative: to its dir)
     report: str = setting("", None, _ALL)   # a mission's HTML report, at its end (ditto)
@@ -3737,55 +3743,128 @@ def load_config(config_file=None):
 ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody could say
 
 
+def _mb(gb):
+    return max(1, int(gb * 1024))
+
+
+def _hms(s):
+    return format_walltime(parse_walltime(s.walltime), True)
+
+
 def _slurm_lines(s, name, log):
     return [f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
             *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
             *([f"--gres=gpu:{s.gpus}"] if s.gpus else []),
-            *([f"--mem={max(1, int(s.memory * 1024))}M"] if s.memory else []),
+            *([f"--mem={_mb(s.memory)}M"] if s.memory else []),
             *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
             *([f"-o {log}"] if log else [])]
 
 
-def _pbs_lines(s, name, log):
+def _pbs_lines(s, name, log, pro=False):
+    """Torque's `nodes=1:ppn=N`, or PBS Pro's (and OpenPBS's) `select=1:ncpus=N`, which
+    refuses Torque's."""
+    select = "".join([f":ncpus={s.cores}" if s.cores else "", f":ngpus={s.gpus}" if s.gpus
+                      else "", f":mem={_mb(s.memory)}mb" if s.memory else ""])
     return [f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
-            f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
-            *([f"-l ngpus={s.gpus}"] if s.gpus else []),
-            *([f"-l walltime={format_walltime(parse_walltime(s.walltime), True)}"]
-              if s.walltime else []),
-            *([f"-l vmem={max(1, int(s.memory * 1024))}mb"] if s.memory else []),
+            *([f"-l select=1{select}"] if pro else [
+                f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
+                *([f"-l ngpus={s.gpus}"] if s.gpus else [])]),
+            *([f"-l walltime={_hms(s)}"] if s.walltime else []),
+            *([f"-l vmem={_mb(s.memory)}mb"] if s.memory and not pro else []),
             "-j oe", *([f"-o {log}"] if log else [])]
 
 
-def _slurm_states(ids, custom=None):
-    cp = _query(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"])
-    if cp.returncode != 0:  # squeue refuses a lone id it does not know; else it failed
-        return dict.fromkeys(ids, ENDED if "Invalid job id" in cp.stderr else UNKNOWN)
-    listed = dict(line.split(None, 1) for line in cp.stdout.splitlines() if " " in line)
-    return {i: listed.get(i, ENDED) for i in ids}
+def _sge_lines(s, name, log):
+    """Grid Engine: cores through a parallel environment (its name is the site's), memory
+    per slot (h_vmem), and the script's own shell (its default is csh)."""
+    return [f"-N {name}", f"-S {s.shebang[2:].split()[0]}", "-cwd",
+            *([f"-q {s.queue}"] if s.queue else []),
+            *([f"-pe {s.parallel_env} {s.cores}"] if s.cores else []),
+            *([f"-l h_vmem={_mb(s.memory / max(1, s.cores))}M"] if s.memory else []),
+            *([f"-l gpu={s.gpus}"] if s.gpus else []),
+            *([f"-l h_rt={_hms(s)}"] if s.walltime else []),
+            "-j y", *([f"-o {log}"] if log else [])]
 
 
-def _pbs_states(ids, custom=None):
-    """One ``qstat -f`` for all of ``ids`` (never one a job). A job it lists has its state;
-    one it says it does not know (or that has finished, PBS Pro) has ENDED; of the rest,
-    nobody could say (UNKNOWN), but when qstat's exit says only "unknown job" (153)."""
-    cp = _query(["qstat", "-f", *ids])
-    listed = {block.split()[0].split(".")[0]: re.search(r"job_state\s*=\s*(\w+)", block)
-              for block in cp.stdout.split("Job Id:")[1:] if block.split()}
-    gone = " ".join(line for line in cp.stderr.splitlines()
-                    if "Unknown Job" in line or "has finished" in line)
+def _lsf_lines(s, name, log):
+    minutes = math.ceil(parse_walltime(s.walltime) / 60) if s.walltime else 0
+    return [f"-J {name}", *([f"-q {s.queue}"] if s.queue else []),
+            *([f"-n {s.cores}", '-R "span[hosts=1]"'] if s.cores else []),
+            *([f'-gpu "num={s.gpus}"'] if s.gpus else []),
+            *([f"-M {_mb(s.memory)}MB", f'-R "rusage[mem={_mb(s.memory)}MB]"'] if s.memory
+              else []),
+            *([f"-W {minutes // 60}:{minutes % 60:02d}"] if minutes else []),
+            *([f"-o {log}"] if log else [])]
 
-    def state(i):
-        n = i.split(".")[0]
-        if listed.get(n):
-            s = listed[n].group(1)
-            return {"C": ENDED, "F": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD"}.get(s, s)
-        known_gone = re.search(rf"(?<![\w.]){re.escape(n)}\b", gone)
-        return ENDED if known_gone or (cp.returncode == 153 and n not in listed) else UNKNOWN
-    return {i: state(i) for i in ids}
+
+def _flux_lines(s, name, log):
+    """Flux schedules no memory: `memory` is not asked for there."""
+    return [f"--job-name={name}", *([f"--queue={s.queue}"] if s.queue else []), "-N 1",
+            "-n 1", *([f"-c {s.cores}"] if s.cores else []),
+            *([f"-g {s.gpus}"] if s.gpus else []),
+            *([f"-t {math.ceil(parse_walltime(s.walltime) / 60)}m"] if s.walltime else []),
+            *([f"--output={log}"] if log else [])]
 
 
 def _query(argv):
     return subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
+
+
+def _ask(argv, ids, listed, gone, words, key=lambda i: i):
+    """``{id: state}`` of ``ids`` from one query (never one a job): ``listed(stdout)`` ->
+    {key: the system's word for the state}, told through ``words`` (ENDED for those that
+    finished); a job not listed has ENDED when ``gone(key, the query)`` (the system said
+    it does not know it: its memory of finished jobs has passed), else UNKNOWN."""
+    cp = _query(argv)
+    said = {key(k): word for k, word in listed(cp.stdout).items()}
+    tell = words if callable(words) else lambda word: words.get(word, word)
+    return {i: tell(said[key(i)]) if key(i) in said else
+            ENDED if gone(key(i), cp) else UNKNOWN for i in ids}
+
+
+def _lines_of(text):
+    """``{first word: second word}`` of each line of ``text`` that has them."""
+    return dict(line.split()[:2] for line in text.splitlines() if len(line.split()) >= 2)
+
+
+def _pbs_listed(text):
+    return {block.split()[0].split(".")[0]: m.group(1) for block in text.split("Job Id:")[1:]
+            if block.split() and (m := re.search(r"job_state\s*=\s*(\w+)", block))}
+
+
+def _pbs_gone(n, cp):
+    """qstat said it does not know job ``n`` (or that it finished: PBS Pro), or exited with
+    only "unknown job" (153, Torque)."""
+    said = " ".join(line for line in cp.stderr.splitlines()
+                    if "Unknown Job" in line or "has finished" in line)
+    return cp.returncode == 153 or bool(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w\[])", said))
+
+
+def _sge_listed(text):
+    """``qstat``'s table: job-ID prior name user state date time [queue] slots [tasks],
+    the queue only for running jobs; pending tasks of an array share one line ("2-4:1")."""
+    out = {}
+    for row in (line.split() for line in text.splitlines()):
+        if len(row) < 8 or not row[0].isdigit():
+            continue
+        tasks = row[9 if "@" in row[7] else 8:][:1]
+        for part in tasks[0].split(",") if tasks else ():
+            lo, hi, step = ([int(x) for x in re.findall(r"\d+", part)] + [None, None])[:3]
+            out.update({f"{row[0]}.{t}": row[4] for t in range(lo, (hi or lo) + 1, step or 1)})
+        if not tasks:
+            out[row[0]] = row[4]
+    return out
+
+
+def _sge_word(state):
+    return (f"ERROR ({state})" if "E" in state else "RUNNING" if re.search("[rt]", state)
+            else "PENDING" if "q" in state else state)
+
+
+def _lsf_listed(text):
+    """``bjobs -o "jobid stat jobindex"``: an array's task as JOB[INDEX]."""
+    return {r[0] + (f"[{r[2]}]" if r[2:3] not in ([], ["0"]) else ""): r[1]
+            for r in (line.split() for line in text.splitlines()) if len(r) >= 2}
 
 
 def _custom_states(ids, custom):
@@ -3804,8 +3883,14 @@ def _slurm_time_left(job_id):
 
 
 def _pbs_time_left(job_id):
-    m = re.search(r"Walltime\.Remaining\s*=\s*(\d+)", _query(["qstat", "-f", job_id]).stdout)
-    return float(m.group(1)) if m else None
+    """Torque's Walltime.Remaining, or (PBS Pro) the walltime asked less that used."""
+    out = _query(["qstat", "-f", job_id]).stdout
+    if m := re.search(r"Walltime\.Remaining\s*=\s*(\d+)", out):
+        return float(m.group(1))
+    asked, used = (re.search(rf"{k}\.walltime\s*=\s*(\S+)", out) for k in (
+        "Resource_List", "resources_used"))
+    return parse_walltime(asked.group(1)) - parse_walltime(used.group(1) if used else 0) \
+        if asked else None
 
 
 def parse_ids(text):
@@ -3831,30 +3916,95 @@ def _custom_submit(s):
     return shlex.split(s.custom_system.submit_cmd)
 
 
-# The batch systems, every command and format each needs. job_id_env: the variable that
-# tells a job its id (a custom template exports GRAIN_JOB_ID: first, as it names the
-# submission grain made). states(ids, custom) -> {id: state}; time_left(id) -> seconds.
-# busy: what a submission that failed says when the controller was only too busy to take
-# it (a regular expression, case-insensitive): it is tried again (see submit_script).
+def _pbs_task(job, i):
+    return job.replace("[]", f"[{i}]")  # qsub said 123[].server: its task 4 is 123[4].server
+
+
+def _user():
+    import pwd
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+# The batch systems, every command and format each needs, as data:
+#   directive, lines(script settings, name, log): the script's directives; prologue;
+#   submit(settings): the command (stdin: it reads the script from its stdin, not a path);
+#   job_id: what it prints on submitting, a regular expression (default: its last word);
+#   states(ids, custom) -> {id: state} (one query); cancel(custom): the command (+ ids);
+#   time_left(id) -> seconds; cpu_ids(id) -> the allocated cores; me(environ): the id of
+#   the job (or array task) this process runs in, as submit_script records it;
+#   array: (its directive for n tasks, the id of task i from the job's, the variable
+#   telling a task its index), None when it has no arrays;
+#   busy: what a refused submission says when the controller was only too busy to take
+#   it (a regular expression, case-insensitive): it is tried again (see submit_script).
 _BUSY = "Socket timed out|Resource temporarily unavailable|try again later"
+_PBS = {"directive": "#PBS", "prologue": "cd \"$PBS_O_WORKDIR\"", "submit": lambda s: ["qsub"],
+        "cancel": lambda c: ["qdel"], "time_left": _pbs_time_left, "cpu_ids": None,
+        "me": lambda e: e.get("PBS_JOBID"), "busy": _BUSY + "|busy|End of File|cannot "
+        "connect to server", "hint": "is this a PBS login node? If not, set system in grain.toml"}
+_PBS_WORDS = {"C": ENDED, "F": ENDED, "X": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD",
+              "B": "RUNNING"}
 SYSTEMS = {
     "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
                "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
                "states": _custom_states, "time_left": None, "cpu_ids": None,
-               "job_id_env": "GRAIN_JOB_ID", "busy": _BUSY,
+               "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY, "array": None,
                "hint": "check custom_system.submit_cmd in grain.toml"},
     "slurm": {"directive": "#SBATCH", "lines": _slurm_lines, "prologue": "",
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
-              "states": _slurm_states, "time_left": _slurm_time_left,
-              "cpu_ids": _slurm_cpu_ids, "job_id_env": "SLURM_JOB_ID",
+              "states": lambda ids, c: _ask(
+                  ["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i %T"], ids, _lines_of,
+                  lambda i, cp: cp.returncode == 0 or "Invalid job id" in cp.stderr, {}),
+              "time_left": _slurm_time_left, "cpu_ids": _slurm_cpu_ids,
+              "me": lambda e: (e.get("SLURM_ARRAY_JOB_ID") and "{SLURM_ARRAY_JOB_ID}_"
+                               "{SLURM_ARRAY_TASK_ID}".format(**e)) or e.get("SLURM_JOB_ID"),
+              "array": ("--array=1-{n}", lambda job, i: f"{job}_{i}",
+                        "SLURM_ARRAY_TASK_ID"),
               "busy": _BUSY + "|Unable to contact slurm controller|slurm_persist_conn",
               "hint": "is this a Slurm login node? If not, set system in grain.toml"},
-    "pbs": {"directive": "#PBS", "lines": _pbs_lines, "prologue": "cd \"$PBS_O_WORKDIR\"",
-            "submit": lambda s: ["qsub"], "cancel": lambda c: ["qdel"],
-            "states": _pbs_states,
-            "time_left": _pbs_time_left, "cpu_ids": None, "job_id_env": "PBS_JOBID",
-            "busy": _BUSY + "|busy|End of File|cannot connect to server",
-            "hint": "is this a PBS/Torque login node? If not, set system in grain.toml"},
+    "pbs": dict(_PBS, lines=_pbs_lines, states=lambda ids, c: _ask(
+                    ["qstat", "-f", *ids], ids, _pbs_listed, _pbs_gone, _PBS_WORDS,
+                    lambda i: i.split(".")[0]),
+                array=("-t 1-{n}", _pbs_task, "PBS_ARRAYID")),
+    "pbspro": dict(_PBS, lines=functools.partial(_pbs_lines, pro=True), states=lambda ids, c:
+                   _ask(["qstat", "-x", "-f", *ids], ids, _pbs_listed, _pbs_gone, _PBS_WORDS,
+                        lambda i: i.split(".")[0]),
+                   array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
+    "sge": {"directive": "#$", "lines": _sge_lines, "prologue": "",
+            "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",
+            "cancel": lambda c: ["qdel"], "time_left": None, "cpu_ids": None,
+            "states": lambda ids, c: _ask(["qstat", "-u", _user()], ids, _sge_listed,
+                                          lambda i, cp: cp.returncode == 0, _sge_word),
+            "me": lambda e: e.get("JOB_ID") and "SGE_TASK_ID" in e and e["JOB_ID"] + (
+                "" if e["SGE_TASK_ID"] == "undefined" else "." + e["SGE_TASK_ID"]),
+            "array": ("-t 1-{n}", lambda job, i: f"{job}.{i}", "SGE_TASK_ID"),
+            "busy": _BUSY + "|unable to contact qmaster|commlib error|failed receiving gdi",
+            "hint": "is this a Grid Engine submit host? If not, set system in grain.toml"},
+    "lsf": {"directive": "#BSUB", "lines": _lsf_lines, "prologue": "", "stdin": True,
+            "submit": lambda s: ["bsub"], "job_id": r"Job <(\d+)>",
+            "cancel": lambda c: ["bkill"], "time_left": None,
+            "cpu_ids": lambda job: os.environ.get("LSB_BIND_CPU_LIST") and parse_ids(
+                os.environ["LSB_BIND_CPU_LIST"]),  # (when LSF's affinity binds them)
+            "states": lambda ids, c: _ask(
+                ["bjobs", "-noheader", "-a", "-o", "jobid stat jobindex", *ids], ids,
+                _lsf_listed, lambda i, cp: f"Job <{i}> is not found" in cp.stderr,
+                {"DONE": ENDED, "EXIT": ENDED, "PEND": "PENDING", "RUN": "RUNNING"}),
+            "me": lambda e: e.get("LSB_JOBID") and e["LSB_JOBID"] + (
+                f"[{e['LSB_JOBINDEX']}]" if e.get("LSB_JOBINDEX", "0") != "0" else ""),
+            "array": ("-J {name}[1-{n}]", lambda job, i: f"{job}[{i}]",
+                      "LSB_JOBINDEX"),
+            "busy": _BUSY + "|LSF is down|not responding|Failed in an LSF library call",
+            "hint": "is this an LSF login node? If not, set system in grain.toml"},
+    "flux": {"directive": "#flux:", "lines": _flux_lines, "prologue": "",
+             "submit": lambda s: ["flux", "batch"], "cancel": lambda c: ["flux", "cancel"],
+             "states": lambda ids, c: _ask(
+                 ["flux", "jobs", "-n", "-o", "{id.f58} {state}", *ids], ids, _lines_of,
+                 lambda i, cp: i in cp.stderr.replace("\u0192", "f") and "unknown" in cp.stderr,
+                 {"INACTIVE": ENDED, "RUN": "RUNNING", "CLEANUP": "RUNNING"},
+                 lambda i: i.replace("\u0192", "f")),  # an id: ƒ..., or f... in ASCII
+             "time_left": lambda job: float(_query(["flux", "job", "timeleft"]).stdout),
+             "cpu_ids": None, "me": lambda e: e.get("FLUX_JOB_ID"), "array": None,
+             "busy": _BUSY + "|Unable to connect|Connection refused",
+             "hint": "is this a Flux instance's login node? If not, set system in grain.toml"},
 }
 assert set(SYSTEMS) == set(BATCH_SYSTEMS)
 
@@ -3862,8 +4012,8 @@ assert set(SYSTEMS) == set(BATCH_SYSTEMS)
 def batch_job():
     """(system, job id) of the batch job this process runs in, or (None, None)."""
     for system, spec in SYSTEMS.items():
-        if os.environ.get(spec["job_id_env"]):
-            return system, os.environ[spec["job_id_env"]]
+        if job_id := spec["me"](os.environ):
+            return system, job_id
     return None, None
 
 
@@ -3881,12 +4031,14 @@ def batch_states(system, ids, custom=None):
         return dict.fromkeys(ids, UNKNOWN)
 
 
-def cancel_job(system, job_id, custom):
-    """Cancel batch job ``job_id`` of ``system``; GrainError saying why it could not be."""
+def cancel_jobs(system, ids, custom):
+    """Cancel batch jobs ``ids`` of ``system``, in one command (a custom one: a command a
+    job); GrainError saying why they could not be."""
     cancel = SYSTEMS[system]["cancel"](custom) if system in SYSTEMS else None
     if not cancel:
         raise GrainError(f"no cancel command for system {system!r}")
-    _run_command(cancel + [job_id], "cancel", "check custom_system.cancel_cmd, if it is yours")
+    for some in [ids] if system != "custom" else [[i] for i in ids]:
+        _run_command(cancel + some, "cancel", "check custom_system.cancel_cmd, if it is yours")
 
 
 def _stamp(text, when, seq=0):
@@ -3980,14 +4132,31 @@ def _template_fields(s, name, log_file, setup, cleanup):
     return types.SimpleNamespace(**dict(vars(s), name=name, log_file=log_file, script=script))
 
 
-def render_script(s, main, when=None, seq=0):
+def array_of(s, n):
+    """The system's array (see SYSTEMS) when ``n`` workers go as one array job: asked for
+    (script.array, `up --array`), n > 1, and the system has arrays; else None."""
+    spec = SYSTEMS.get(s.system) or {}
+    return spec.get("array") if n > 1 and s.script.array and not s.custom_system.template \
+        else None
+
+
+def task_log(log_file, task):
+    """The log of an array job's task: ``w.log`` -> ``w-3.log``."""
+    root, ext = os.path.splitext(log_file)
+    return f"{root}-{task}{ext}"
+
+
+def render_script(s, main, when=None, seq=0, tasks=0):
     """The job script for role settings ``s`` running the shell command ``main``: its
     system's, or ``custom_system.template`` when there is one (with ``system`` "custom",
-    or, as upstream, any other system it then stands in for)."""
+    or, as upstream, any other system it then stands in for); an array job of ``tasks``
+    tasks when array_of(s, tasks)."""
     when = time.time() if when is None else when
     name, log_file = job_name_and_log(s, when, seq)
     setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
-    body = []
+    array, body = array_of(s, tasks), []
+    if array and log_file:  # each task its own log (the system's -o, one for all, keeps
+        body.append(f'exec >>"{task_log(log_file, "${" + array[2] + "}")}" 2>&1')  # the rest)
     if cleanup:
         # Deferred lines run in reverse order when the script exits, even when the worker
         # failed or the batch system sent SIGTERM (turned into a normal exit by the trap).
@@ -3999,8 +4168,13 @@ def render_script(s, main, when=None, seq=0):
         return _render_template(s, body, name, log_file, setup, cleanup, when, seq)
     if spec is None:  # no batch system: the script alone, to read (`up --dry`)
         return f"{s.script.shebang}\n{body}\n"
+    directives = spec["lines"](s.script, name, log_file)
+    if array:  # (it replaces the line of the same option: LSF's -J name)
+        line = array[0].format(n=tasks, name=name)
+        directives = [x for x in directives if re.split("[ =]", x)[0] != re.split(
+            "[ =]", line)[0]] + [line]
     lines = [s.script.shebang] + [f"{spec['directive']} {x}" for x in [
-        *spec["lines"](s.script, name, log_file), *s.script.extra_args]]
+        *directives, *s.script.extra_args]]
     if spec["prologue"]:
         lines.append(spec["prologue"])
     return "\n".join(lines + [body]) + "\n"
@@ -4065,11 +4239,11 @@ class JobBook:
         return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
 
 
-def _run_command(argv, what, hint, timeout=None):
+def _run_command(argv, what, hint, timeout=None, stdin=None):
     """The output of ``argv``; GrainError saying what failed (``hint``: what to do)."""
     timeout = timeout or SUBMIT_S
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
     except OSError as e:
         raise GrainError(f"{argv[0]}: " + ("command not found" if isinstance(
             e, FileNotFoundError) else e.strerror or str(e)) + f" — {hint}") from None
@@ -4082,30 +4256,33 @@ def _run_command(argv, what, hint, timeout=None):
     return cp.stdout
 
 
-def _submit_argv(s):
-    """The command that submits a job script of settings ``s``."""
+def _submitter(s):
+    """The SYSTEMS entry that submits a job script of settings ``s``."""
     c = s.custom_system  # upstream: a template of one's own, and its command, stand in
     system = "custom" if c.template and c.submit_cmd else s.system
     if system not in SYSTEMS:
-        raise ConfigError("no batch system configured: set system = \"slurm\", \"pbs\" or "
-                          "\"custom\" in grain.toml")
-    return SYSTEMS[system]["submit"](s)
+        raise ConfigError("no batch system configured: set system = " + ", ".join(
+            f'"{x}"' for x in BATCH_SYSTEMS) + " in grain.toml")
+    return SYSTEMS[system]
 
 
-def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
-    """Submit ``script`` to the batch system of role settings ``s``; returns the batch job
-    id, recorded in the JobBook of the address."""
+def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tasks=0):
+    """Submit ``script`` to the batch system of role settings ``s`` (an array job of
+    ``tasks`` tasks when array_of(s, tasks)); returns the batch job ids (one, or one a
+    task), recorded in the JobBook of the address."""
     when = time.time() if when is None else when
-    argv = _submit_argv(s)
+    spec = _submitter(s)
+    argv = spec["submit"](s)
     scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
     os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
     path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
                                      f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
-    spec = SYSTEMS.get(s.system, SYSTEMS["custom"])
+    argv += list(extra_args) + ([] if spec.get("stdin") else [path])
     for attempt in range(SUBMIT_TRIES):  # a busy controller is tried again, with back-off
         try:
-            out = _run_command(argv + list(extra_args) + [path], "submission", spec["hint"])
+            out = _run_command(argv, "submission", spec["hint"],
+                               stdin=script if spec.get("stdin") else None)
             break
         except GrainError as e:
             if not re.search(spec["busy"], str(e), re.I):
@@ -4116,12 +4293,28 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0):
             wait = SUBMIT_BACKOFF_S * 2 ** attempt
             log.warning("%s; the batch system is busy: trying again in %g s", e, wait)
             time.sleep(wait)
-    batch_id = (out.strip().split() or ["?"])[-1].split(";")[0]
+    found = re.search(spec.get("job_id", r"([^\s;]+)(?:;\S*)?\s*$"), out)
+    batch_id, array = found.group(1) if found else "?", array_of(s, tasks)
     name, log_file = job_name_and_log(s, when, seq)
-    JobBook(s.dial if role == "worker" else s.listen).add({
-        "id": batch_id, "system": s.system, "role": role, "name": name, "log": log_file,
-        "script": path, "submitted": when})
-    return batch_id
+    records = [{"id": array[1](batch_id, i) if array else batch_id, "system": s.system,
+                "role": role, "name": name, "script": path, "submitted": when,
+                "log": task_log(log_file, i) if array and log_file else log_file}
+               for i in range(1, tasks + 1 if array else 2)]
+    JobBook(s.dial if role == "worker" else s.listen).update(lambda rs: rs + records)
+    return [r["id"] for r in records]
+
+
+def submit_workers(s, n, extra_args=(), when=None, pause=time.sleep):
+    """Submit ``n`` worker jobs of settings ``s``: one array job of n tasks when
+    array_of(s, n), else n jobs, at most ``script.max_submit_rate`` a second. Yields
+    (seq, ids) as each submission is made."""
+    when = time.time() if when is None else when
+    tasks = n if array_of(s, n) else 0
+    for seq in range(1 if tasks else n):  # one {{HHMMSS}} for all, numbered: names differ
+        if seq and s.script.max_submit_rate:
+            pause(1 / s.script.max_submit_rate)
+        script = render_script(s, worker_command(s), when, seq, tasks)
+        yield seq, submit_script(s, script, extra_args, "worker", when, seq, tasks)
 
 
 ###############################################################################
@@ -7913,10 +8106,13 @@ class SwarmKeeper:
         return self.quota_setting or 2 * self.target
 
     def quota_wait(self, now):
-        """Seconds until another submission is allowed (0: now)."""
+        """Seconds until another submission is allowed (0: now): the quota a window, and
+        script.max_submit_rate."""
         while self.submitted and self.submitted[0] <= now - self.window:
             self.submitted.popleft()
-        return 0.0 if len(self.submitted) < self.quota else self.submitted[0] + self.window - now
+        rate = self.settings.script.max_submit_rate if self.settings else 0
+        return max(0.0 if len(self.submitted) < self.quota else self.submitted[0] + self.window
+                   - now, self.submitted[-1] + 1 / rate - now if rate and self.submitted else 0)
 
     def statistics(self, joined):
         return {"target": self.target, "joined": joined, "pending": sorted(self.pending),
@@ -7942,31 +8138,40 @@ class SwarmKeeper:
                         log.warning("worker job %s ended without joining", batch_id)
                         del self.pending[batch_id]
             if self.target - joined() - len(self.pending) > 0:
-                await self._submit_one(joined())
+                await self._submit(joined(), self.target - joined() - len(self.pending))
             else:
                 self.note = ""
 
-    async def _submit_one(self, joined):
+    async def _submit(self, joined, short):
+        """Submit a worker job, or (script.array) an array job of ``short`` workers, as far
+        as the quota and script.max_queued allow."""
         now = trio.current_time()  # (the quota's clock: steady, and a test's mock one)
-        wait = self.quota_wait(now)
+        wait, most = self.quota_wait(now), self.settings.script.max_queued
+        if most and len(self.pending) >= most:
+            self.note = f"max_queued reached: {len(self.pending)} worker job(s) queued"
+            return
         if wait > 0:
             self.note = (f"quota reached: {len(self.submitted)} submissions in the last "
                          f"{format_walltime(self.window)}; the next is allowed in "
                          f"{format_walltime(wait)}")
             return
-        self.note = ""
-        self.submitted.append(now)
         s, when = self.settings, time.time()
+        short = min(short, self.quota - len(self.submitted), most - len(self.pending) if most
+                    else short)
+        tasks = short if array_of(s, short) else 0
+        self.note = ""
+        self.submitted.extend([now] * max(1, tasks))
         try:
-            batch_id = await trio.to_thread.run_sync(
-                submit_script, s, render_script(s, worker_command(s), when), (), "worker", when)
+            ids = await trio.to_thread.run_sync(
+                submit_script, s, render_script(s, worker_command(s), when, 0, tasks), (),
+                "worker", when, 0, tasks)
         except GrainError as e:
             self.note = f"the last submission failed: {e}"
             self.warn(f"swarm: {self.note}")
             return
-        self.pending[batch_id] = now
+        self.pending.update(dict.fromkeys(ids, now))
         log.info("swarm: submitted worker job %s (%d joined, %d pending, target %d)",
-                 batch_id, joined, len(self.pending), self.target)
+                 " ".join(ids), joined, len(self.pending), self.target)
 
 
 class HeadDaemon(HeadCore):
@@ -8547,7 +8752,9 @@ _COMMAND_LINE = [
         (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
     ("up", "submit worker jobs to the batch system (other arguments go to sbatch/qsub)",
      ("config", "dry"), [(("-n",), dict(type=int, default=1, metavar="N", help="how many "
-                                         "(default 1)"))]),
+                                         "(default 1)")),
+                         (("--array",), dict(action="store_true", help="as one array job "
+                                             "(as script.array = true)"))]),
     ("down", "cancel every worker or head job grain submitted", ("config",), []),
     ("pack", "build grain.pyz: grain.py with trio and dill inside, for machines without pip",
      (), [(("-o", "--output"), dict(default="grain.pyz", metavar="FILE")),
@@ -8764,15 +8971,23 @@ def _cmd_up(args):
         print(f"specialized worker type {s.specialized_type} is backendless: it runs in the "
               "mission, there is no worker job to submit", file=sys.stderr)
         return 0
+    s = replace(s, script=replace(s.script, array=s.script.array or args.array))
+    if args.dry:
+        print(render_script(s, worker_command(s), None, 0, args.n), end="")
+        return 0
+    n, most = args.n, s.script.max_queued
+    if most:  # the worker jobs still queued count (one query for them all)
+        queued = sum(j["state"] != ENDED for j in submitted_jobs(JobBook(s.dial), s, set()))
+        if queued + n > most:
+            n = max(0, most - queued)
+            print(f"max_queued = {most} and {queued} worker job(s) are queued: submitting "
+                  f"{n} of {args.n}", file=sys.stderr)
     when = time.time()
-    for seq in range(args.n):  # one {{HHMMSS}} for all, numbered: names stay distinct
-        script = render_script(s, worker_command(s), when, seq)
-        if args.dry:
-            print(script, end="")
-            return 0
-        job_id = submit_script(s, script, args.extra, "worker", when, seq)
+    for seq, ids in submit_workers(s, n, args.extra, when):
         name, log_file = job_name_and_log(s, when, seq)
-        print(f"submitted worker job {job_id} ({name}); log: {log_file}")
+        print(f"submitted worker job {ids[0]} ({name}); log: {log_file}" if len(ids) == 1 else
+              f"submitted worker array job of {len(ids)} tasks, {ids[0]} to {ids[-1]} "
+              f"({name}); logs: {task_log(log_file, '*')}")
     return 0
 
 
@@ -8789,7 +9004,7 @@ def _cmd_start(args):
     if args.dry:
         print(script, end="")
         return 0
-    job_id = submit_script(s, script, args.extra, "head", when)
+    job_id, = submit_script(s, script, args.extra, "head", when)
     print(f"submitted head job {job_id} ({_stamp(s.name, when)})")
     return 0
 
@@ -8811,18 +9026,19 @@ def _cmd_down(args):
 
         def cancel_live(records):
             nonlocal cancelled
-            keep = []
-            for r in records:
-                if r["id"] not in live:
-                    continue  # ended already: forget it
-                try:
-                    cancel_job(r.get("system"), r["id"], custom)
+            keep, live_ones = [], [r for r in records if r["id"] in live]  # (ended: forget)
+            for system in dict.fromkeys(r.get("system") for r in live_ones):
+                ones = [r for r in live_ones if r.get("system") == system]
+                try:  # one command for all of a system's jobs (a custom one: one a job)
+                    cancel_jobs(system, [r["id"] for r in ones], custom)
                 except GrainError as e:
-                    print(f"job {r['id']} ({r['name']}): {e}; cancel it yourself")
-                    keep.append(r)
+                    print(f"job {', '.join(r['id'] + ' (' + r['name'] + ')' for r in ones)}: "
+                          f"{e}; cancel {'it' if len(ones) == 1 else 'them'} yourself")
+                    keep += ones
                     continue
-                print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
-                cancelled += 1
+                for r in ones:
+                    print(f"cancelled {r['role']} job {r['id']} ({r['name']})")
+                cancelled += len(ones)
             return keep
 
         book.update(cancel_live)

@@ -2333,7 +2333,8 @@ def test_config_overrides_and_defaults(tmp_path):
     ("[head.gnaw]\nenabled = 'no'", "x.toml: head.gnaw.enabled: expected true or false"),
     ("[head.gnaw]\nmax_con = 3", "x.toml: unknown key 'head.gnaw.max_con'"),
     ("[script]\nwalltime = '25:61:00'", "x.toml: script.walltime: expected a walltime"),
-    ("system = 'lsf'", "x.toml: system: expected one of 'slurm', 'pbs', 'custom'"),
+    ("system = 'loadleveler'", "x.toml: system: expected one of 'slurm', 'pbs', 'pbspro', "
+                               "'sge', 'lsf', 'flux', 'custom'"),
     ("[head]\nidle_quit = 'soon'", "x.toml: head.idle_quit: expected a duration"),
     ("[worker]\nres = { GPU = { N = 1 } }", "x.toml: worker.res: expected resources"),
     ("system = slurm", "x.toml: malformed TOML: Invalid value (at line 1, column 10)"),
@@ -2354,7 +2355,7 @@ def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
         assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
                                     "(known here: address, auth_key, cli_dial, contextmod, " \
                                     "dial, log_file, name, reattach, report, res, results, " \
-                                    "script, specialized_type, system, tls_cert, tls_key)"
+                                    "script, specialized_type, system, tls_cert, tls_key, wrap)"
     cp = grain_cli("up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     cp = grain_cli("up", "-c", str(tmp_path))
@@ -2506,7 +2507,7 @@ def test_a_template_with_its_own_submit_cmd_needs_no_system(tmp_path):
     cfg = grain.parse_config('[custom_system]\ntemplate = "#!/bin/sh\\n{main}"\n'
                              'submit_cmd = "sh -c \'echo 4242\'"\n', "x.toml").role("worker")
     script = grain.render_script(cfg, "true")
-    assert grain.submit_script(cfg, script) == "4242"
+    assert grain.submit_script(cfg, script) == ["4242"]
 
 
 def test_a_submit_command_that_fails_to_run_or_to_return_is_one_error(tmp_path, monkeypatch):
@@ -2557,7 +2558,7 @@ def test_a_busy_batch_system_is_tried_again_with_back_off_then_reported(tmp_path
             tries.append(len((tmp_path / "tries.txt").read_text().split()))
 
     tries = []
-    assert submit("2") == "4242"  # busy twice, then taken: submitted once
+    assert submit("2") == ["4242"]  # busy twice, then taken: submitted once
     with pytest.raises(grain.GrainError) as busy:
         submit("9")
     with pytest.raises(grain.GrainError) as refused:
@@ -2676,6 +2677,260 @@ def test_pbs_is_asked_about_all_jobs_in_one_query(tmp_path, monkeypatch):
     assert grain.batch_states("pbs", ["41.srv", "42.srv", "43.srv"]) == {
         "41.srv": "RUNNING", "42.srv": "PENDING", "43.srv": "ENDED"}
     assert (tmp_path / "calls").read_text() == "-f 41.srv 42.srv 43.srv\n"  # one query
+
+
+FAKE_BATCH = r'''# A batch system in one file, for the tests: Slurm, Torque, PBS Pro, Grid Engine, LSF or
+# Flux (FAKE_SYSTEM), each parsing a job script's directives as the real one does (the
+# lines of its prefix before the first command; an option it does not know is refused)
+# and answering in its real formats. Jobs live in FAKE_STATE (JSON) until cancelled.
+import json, os, re, sys
+
+SYSTEM, STATE = os.environ["FAKE_SYSTEM"], os.environ["FAKE_STATE"]
+ANY, NUM, HMS = r"\S+", r"\d+", r"\d+:\d\d:\d\d"
+GRAMMAR = {  # the directive prefix, and the options it takes (whole-line patterns)
+    "slurm": ("#SBATCH", [f"-J {ANY}", f"-p {ANY}", "--nodes=1", f"--ntasks-per-node={NUM}",
+                          f"--gres=gpu:{NUM}", f"--mem={NUM}M", f"--time=(\\d+-)?{HMS}",
+                          f"-o {ANY}", f"--array=1-{NUM}"]),
+    "pbs": ("#PBS", [f"-N {ANY}", f"-q {ANY}", f"-l nodes=1(:ppn={NUM})?", f"-l ngpus={NUM}",
+                     f"-l walltime={HMS}", f"-l vmem={NUM}mb", "-j oe", f"-o {ANY}",
+                     f"-t 1-{NUM}"]),
+    "pbspro": ("#PBS", [f"-N {ANY}", f"-q {ANY}", f"-l select=1(:ncpus={NUM})?(:ngpus={NUM})?"
+                        f"(:mem={NUM}mb)?", f"-l walltime={HMS}", "-j oe", f"-o {ANY}",
+                        f"-J 1-{NUM}"]),
+    "sge": ("#$", [f"-N {ANY}", "-S /\\S+", "-cwd", f"-q {ANY}", f"-pe \\w+ {NUM}",
+                   f"-l h_vmem={NUM}M", f"-l gpu={NUM}", f"-l h_rt={HMS}", "-j y",
+                   f"-o {ANY}", f"-t 1-{NUM}"]),
+    "lsf": ("#BSUB", [f"-J [^\\s\\[]+(\\[1-{NUM}\\])?", f"-q {ANY}", f"-n {NUM}",
+                      '-R "span\\[hosts=1\\]"', f'-gpu "num={NUM}"', f"-M {NUM}MB",
+                      f'-R "rusage\\[mem={NUM}MB\\]"', f"-W (\\d+:)?\\d+", f"-o {ANY}"]),
+    "flux": ("#flux:", [f"--job-name={ANY}", f"--queue={ANY}", "-N 1", "-n 1", f"-c {NUM}",
+                        f"-g {NUM}", f"-t {NUM}[smhd]?", f"--output={ANY}"]),
+}
+BUSY = {"slurm": "sbatch: error: Batch job submission failed: Socket timed out on send/recv "
+                 "operation",
+        "pbs": "qsub: cannot connect to server srv (errno=111) Connection refused",
+        "pbspro": "Connection refused\nqsub: cannot connect to server srv (errno=15010)",
+        "sge": "error: commlib error: got select error (Connection refused)\nUnable to run "
+               "job: unable to contact qmaster using port 6444 on host \"master\".",
+        "lsf": "Failed in an LSF library call: Slave LIM configuration is not ready yet. "
+               "Job not submitted.",
+        "flux": "flux-batch: ERROR: Unable to connect to Flux: Connection refused"}
+
+
+def load():
+    try:
+        with open(STATE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {"next": 41, "jobs": {}, "calls": []}
+
+
+def fail(msg, code=1):
+    print(msg, file=sys.stderr)
+    sys.exit(code)
+
+
+def directives(text):
+    prefix, options = GRAMMAR[SYSTEM]
+    found = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("#"):
+            break  # the first command ends them
+        if line.startswith(prefix + " "):
+            opt = line[len(prefix) + 1:]
+            if not any(re.fullmatch(o, opt) for o in options):
+                fail(f"{SYSTEM}: invalid directive: {line}")
+            found.append(opt)
+    return found
+
+
+def submit(state, args, script):
+    if state.pop("busy", 0):
+        state["busy_said"] = state.get("busy_said", 0) + 1
+        save(state)
+        fail(BUSY[SYSTEM])
+    found = directives(script)
+    n = next((int(m.group(1)) for d in found for m in [re.search(r"1-(\d+)\]?$", d)] if m
+              and re.match(r"(--array|-t|-J)", d)), 0)
+    job = str(state["next"])
+    state["next"] += 1
+    ids = {"slurm": (job, lambda i: f"{job}_{i}"), "sge": (job, lambda i: f"{job}.{i}"),
+           "pbs": (f"{job}[].srv" if n else f"{job}.srv", lambda i: f"{job}[{i}].srv"),
+           "pbspro": (f"{job}[].srv" if n else f"{job}.srv", lambda i: f"{job}[{i}].srv"),
+           "lsf": (job, lambda i: f"{job}[{i}]"), "flux": (f"\u0192{job}x", None)}[SYSTEM]
+    state["submissions"] = state.get("submissions", 0) + 1
+    for i in range(1, n + 1) if n else [None]:
+        state["jobs"][ids[1](i) if i else ids[0]] = "R"
+    printed = {"slurm": job, "pbs": ids[0], "pbspro": ids[0],
+               "sge": f"{job}.1-{n}:1" if n else job,
+               "lsf": f"Job <{job}> is submitted to queue <normal>.", "flux": ids[0]}
+    return printed[SYSTEM]
+
+
+def save(state):
+    with open(STATE, "w") as f:
+        json.dump(state, f)
+
+
+def main(cmd, args):
+    state = load()
+    state["calls"].append([cmd] + args)
+    jobs, out = state["jobs"], ""
+    if cmd in ("sbatch", "qsub", "flux batch"):
+        out = submit(state, args, open(args[-1]).read())
+    elif cmd == "bsub":
+        if args and os.path.isfile(args[-1]):
+            fail("bsub: a script given as a path runs as a command: its #BSUB lines are not read")
+        out = submit(state, args, sys.stdin.read())
+    elif cmd in ("scancel", "qdel", "bkill", "flux cancel"):
+        ids = [i for a in args for i in a.split(",")]
+        if unknown := [i for i in ids if i not in jobs]:
+            save(state)
+            fail(f"{cmd}: unknown job {unknown[0]}")
+        for i in ids:
+            del jobs[i]
+    elif cmd == "squeue":  # -h -r -j IDS -o "%i %T"
+        ids = args[args.index("-j") + 1].split(",")
+        if not any(i in jobs for i in ids):
+            save(state)
+            fail("slurm_load_jobs error: Invalid job id specified")
+        out = "\n".join(f"{i} RUNNING" for i in ids if i in jobs)
+    elif cmd == "qstat" and SYSTEM == "sge":  # -u USER
+        out = "job-ID  prior   name       user  state submit/start at     queue  slots " \
+              "ja-task-ID\n" + "-" * 40 + "\n" + "\n".join(
+                  f"{i.split('.')[0]} 0.555 grain-work me r 11/25/2026 12:00:00 all.q@n1 1 "
+                  f"{i.split('.')[1] if '.' in i else ''}" for i in jobs)
+    elif cmd == "qstat":  # [-x] -f IDS
+        ids = [a for a in args if not a.startswith("-")]
+        out = "\n".join(f"Job Id: {i}\n    job_state = R\n" for i in ids if i in jobs)
+        if gone := [i for i in ids if i not in jobs]:
+            print("\n".join(f"qstat: Unknown Job Id Error {i}" for i in gone), file=sys.stderr)
+    elif cmd == "bjobs":  # -noheader -a -o "jobid stat jobindex" IDS
+        ids = args[5:]
+        for i in ids:
+            if i not in jobs:
+                print(f"Job <{i}> is not found", file=sys.stderr)
+        out = "\n".join(f"{i.split('[')[0]} RUN {i.split('[')[1][:-1] if '[' in i else 0}"
+                        for i in ids if i in jobs)
+    elif cmd == "flux jobs":  # -n -o "{id.f58} {state}" IDS
+        out = "\n".join(f"{i} RUN" for i in args[3:] if i in jobs)
+    else:
+        fail(f"fakebatch: {cmd} {args}: not a command of {SYSTEM}")
+    save(state)
+    print(out)
+
+
+cmd, args = os.path.basename(sys.argv[1]), sys.argv[2:]
+if cmd == "flux":
+    cmd, args = f"flux {args[0]}", args[1:]
+main(cmd, args)
+'''
+BATCH_COMMANDS = ("sbatch", "squeue", "scancel", "qsub", "qstat", "qdel", "bsub", "bjobs",
+                  "bkill", "flux")
+
+
+def fake_batch_system(tmp_path, system):
+    """The environment of a login node of ``system``, simulated by FAKE_BATCH: its
+    commands on PATH, its jobs in state.json."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fakebatch.py").write_text(FAKE_BATCH)
+    for cmd in BATCH_COMMANDS:
+        (bin_dir / cmd).write_text(f'#!/bin/sh\nexec {sys.executable} {bin_dir}/fakebatch.py '
+                                   f'{cmd} "$@"\n')
+        (bin_dir / cmd).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SYSTEM=system,
+                FAKE_STATE=str(tmp_path / "state.json"))
+
+
+# What each system's script asks for 4 cores, 8 GB, 1:30:00 and a GPU in queue "short".
+SCRIPT_DIRECTIVES = {
+    "slurm": ["-J grain-worker", "-p short", "--nodes=1", "--ntasks-per-node=4",
+              "--gres=gpu:1", "--mem=8192M", "--time=1:30:00", "-o LOG"],
+    "pbs": ["-N grain-worker", "-q short", "-l nodes=1:ppn=4", "-l ngpus=1",
+            "-l walltime=01:30:00", "-l vmem=8192mb", "-j oe", "-o LOG"],
+    "pbspro": ["-N grain-worker", "-q short", "-l select=1:ncpus=4:ngpus=1:mem=8192mb",
+               "-l walltime=01:30:00", "-j oe", "-o LOG"],
+    "sge": ["-N grain-worker", "-S /bin/bash", "-cwd", "-q short", "-pe smp 4",
+            "-l h_vmem=2048M", "-l gpu=1", "-l h_rt=01:30:00", "-j y", "-o LOG"],
+    "lsf": ["-J grain-worker", "-q short", "-n 4", '-R "span[hosts=1]"', '-gpu "num=1"',
+            "-M 8192MB", '-R "rusage[mem=8192MB]"', "-W 1:30", "-o LOG"],
+    "flux": ["--job-name=grain-worker", "--queue=short", "-N 1", "-n 1", "-c 4", "-g 1",
+             "-t 90m", "--output=LOG"],
+}
+
+
+@pytest.mark.parametrize("system", list(SCRIPT_DIRECTIVES))
+def test_each_batch_system_takes_its_script_and_its_jobs_are_asked_about_and_cancelled(
+        tmp_path, system):
+    env = fake_batch_system(tmp_path, system)
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'system = "{system}"\naddress = "edge://{tmp_path}/edge"\n[script]\n'
+                   'queue = "short"\ncores = 4\nmemory = 8\nwalltime = "1:30:00"\ngpus = 1\n'
+                   '[worker]\nlog_file = "w.log"\n')
+    prefix = {"slurm": "#SBATCH ", "pbs": "#PBS ", "pbspro": "#PBS ", "sge": "#$ ",
+              "lsf": "#BSUB ", "flux": "#flux: "}[system]
+    dry = grain_cli("up", "--dry", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert [x[len(prefix):].replace(str(tmp_path / "w.log"), "LOG") for x in
+            dry.stdout.splitlines() if x.startswith(prefix)] == SCRIPT_DIRECTIVES[system]
+    state = lambda: json.loads((tmp_path / "state.json").read_text())  # noqa: E731
+    up = grain_cli("up", "-n", "2", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert up.returncode == 0, up.stderr  # (the fake refuses a directive it cannot parse)
+    assert state()["submissions"] == 2 and len(state()["jobs"]) == 2
+    up = grain_cli("up", "-n", "3", "--array", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    arrays = system != "flux"  # (Flux has none: three jobs)
+    assert state()["submissions"] == (3 if arrays else 5) and len(state()["jobs"]) == 5
+    if arrays:
+        assert "submitted worker array job of 3 tasks" in up.stdout
+        assert "logs: " + str(tmp_path / "w-*.log") in up.stdout
+    book = grain.JobBook(f"edge://{tmp_path}/edge")
+    assert sorted(r["id"] for r in book.records()) == sorted(state()["jobs"])
+    before = len(state()["calls"])
+    ls = grain_cli("ls", "-c", str(cfg), env=env, cwd=tmp_path)
+    for job_id in state()["jobs"]:
+        assert f"job {job_id} (grain-worker" in ls.stdout and ": RUNNING" in ls.stdout
+    assert len(state()["calls"]) == before + 1  # one query for all five
+    down = grain_cli("down", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert down.returncode == 0 and down.stdout.count("cancelled worker job") == 5, down.stdout
+    assert state()["jobs"] == {} and book.records() == []
+    assert len(state()["calls"]) == before + 3  # one query, one cancel for all
+    # a busy controller, in its own words: tried again, submitted once
+    st = state()
+    st["busy"] = 1
+    (tmp_path / "state.json").write_text(json.dumps(st))
+    up = grain_cli("up", "-c", str(cfg), env=env, cwd=tmp_path, timeout=60)
+    assert up.returncode == 0 and "the batch system is busy: trying again in 2 s" in up.stderr
+    assert state()["busy_said"] == 1 and len(state()["jobs"]) == 1
+
+
+_JOB_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
+            "JOB_ID", "SGE_TASK_ID", "LSB_JOBID", "LSB_JOBINDEX", "FLUX_JOB_ID", "GRAIN_JOB_ID")
+
+
+@pytest.mark.parametrize("system,env,task_id", [
+    ("slurm", {"SLURM_JOB_ID": "45", "SLURM_ARRAY_JOB_ID": "42", "SLURM_ARRAY_TASK_ID": "3"},
+     "42_3"),
+    ("slurm", {"SLURM_JOB_ID": "42"}, "42"),
+    ("pbs", {"PBS_JOBID": "42[3].srv", "PBS_ARRAYID": "3"}, "42[3].srv"),
+    ("sge", {"JOB_ID": "42", "SGE_TASK_ID": "3"}, "42.3"),
+    ("sge", {"JOB_ID": "42", "SGE_TASK_ID": "undefined"}, "42"),
+    ("lsf", {"LSB_JOBID": "42", "LSB_JOBINDEX": "3"}, "42[3]"),
+    ("lsf", {"LSB_JOBID": "42", "LSB_JOBINDEX": "0"}, "42"),
+    ("flux", {"FLUX_JOB_ID": "\u0192Abc"}, "\u0192Abc"),
+])
+def test_a_worker_knows_its_job_or_array_task_by_the_id_up_recorded(monkeypatch, system, env,
+                                                                        task_id):
+    # (the head marks a worker's job joined by this id: it must be the JobBook's)
+    for var in _JOB_ENV:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert grain.batch_job() == (system, task_id)
+    spec = grain.SYSTEMS[system]
+    if "3" in env.values():  # an array's task: as submit_script names it
+        job = {"pbs": "42[].srv"}.get(system, "42")
+        assert spec["array"][1](job, 3) == task_id
 
 
 def test_down_and_ls_keep_jobs_whose_state_is_unknown(tmp_path):
@@ -5473,8 +5728,8 @@ async def test_the_swarm_keeps_to_its_quota_on_the_clock(autojump_clock, monkeyp
 
     submitted = []
     monkeypatch.setattr(trio.to_thread, "run_sync", at_once)
-    monkeypatch.setattr(grain, "submit_script", lambda *args: str(
-        submitted.append(trio.current_time()) or len(submitted)))
+    monkeypatch.setattr(grain, "submit_script", lambda *args: [str(
+        submitted.append(trio.current_time()) or len(submitted))])
     monkeypatch.setattr(grain, "batch_states", lambda system, ids, custom: dict.fromkeys(
         ids, grain.ENDED))
     s = grain.parse_config('[custom_system]\ntemplate = "#!/bin/sh\\n{main}"\n'
