@@ -3656,7 +3656,8 @@ class Config:
         dial = s.dial or address
         return replace(s, address=address, listen=s.listen or address, dial=dial,
                        cli_dial=s.cli_dial or dial, auth_key=s.auth_key or default_key_path(),
-                       script=replace(s.script, python=s.script.python or sys.executable))
+                       script=replace(s.script, python=s.script.python or (
+                           "python3" if s.wrap else sys.executable)))  # (the container's)
 
 
 def _check_table(data, table, path):
@@ -4105,9 +4106,10 @@ def backendless_workers(s):
 
 def worker_command(s, grain_path=None):
     """The worker line of a worker job script: the same grain.py under ``script.python``,
-    offering worker_resources(s). Plain ``python /path/grain.py worker ...``, what a person
-    reading the script (``up --dry``) expects: one worker a node does not need the cached
-    bytecode that the pool's processes, started by the hundred, are booted from."""
+    offering worker_resources(s), inside ``worker.wrap``'s container if any. Plain
+    ``python /path/grain.py worker ...``, what a person reading the script (``up --dry``)
+    expects: one worker a node does not need the cached bytecode that the pool's
+    processes, started by the hundred, are booted from."""
     argv = [s.script.python, grain_path or self_path(), "worker", "--url", s.dial,
             "--res", json.dumps(worker_resources(s), separators=(",", ":"))]
     if s.contextmod:
@@ -4120,7 +4122,41 @@ def worker_command(s, grain_path=None):
         if path:
             argv += [flag, os.path.abspath(path)]
     argv += ["--reattach", f"{s.reattach:g}s"]
-    return " ".join(shlex.quote(a) for a in argv)
+    line = " ".join(shlex.quote(a) for a in argv)
+    return _in_container(s, [argv[1], *argv[argv.index("--url") + 1:]], line) if s.wrap \
+        else line
+
+
+# What a worker in a podman or docker container is told of its batch job (apptainer
+# passes every variable): its id (as SYSTEMS' "me" read it), its node and its GPUs.
+CONTAINER_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
+                 "JOB_ID", "SGE_TASK_ID", "LSB_JOBID", "LSB_JOBINDEX", "FLUX_JOB_ID",
+                 "GRAIN_JOB_ID", "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES")
+
+
+def _in_container(s, args, line):
+    """``line`` (the worker's command) run by ``worker.wrap``, e.g. "apptainer exec
+    image.sif" or "podman run image", given the folders of the files the worker reads
+    (grain.py, its key, the Edge file...) and the job's GPUs; podman and docker also get
+    the host's network, the job's cores (its cpuset, read when the job starts) and the
+    variables that tell it its batch job. Any other command is put in front as it is."""
+    wrap = shlex.split(s.wrap)
+    engine = os.path.basename(wrap[0]) if wrap else ""
+    folders = sorted({os.path.dirname(os.path.abspath(a.split("://", 1)[-1].split("@")[-1]))
+                      for a in args if a.startswith(("/", "edge://", "unix://"))})
+    if engine in ("apptainer", "singularity"):
+        flags = [f"--bind={','.join(folders)}"] + (["--nv"] if s.script.gpus else [])
+    elif engine in ("podman", "docker"):
+        flags = ["--rm", "--network=host", *(f"--volume={d}:{d}" for d in folders),
+                 *(f"--env={v}" for v in CONTAINER_ENV)]
+        flags += ([("--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all")]
+                  if s.script.gpus else [])
+    else:
+        return f"{s.wrap} {line}"
+    cores = (' --cpuset-cpus="$(sed -n "s/^Cpus_allowed_list:\\s*//p" /proc/self/status)"'
+             if engine in ("podman", "docker") else "")
+    return " ".join(shlex.quote(a) for a in wrap[:2] + flags) + cores + " " + " ".join(
+        shlex.quote(a) for a in wrap[2:]) + " " + line
 
 
 def _template_fields(s, name, log_file, setup, cleanup):

@@ -2904,6 +2904,59 @@ def test_each_batch_system_takes_its_script_and_its_jobs_are_asked_about_and_can
     assert state()["busy_said"] == 1 and len(state()["jobs"]) == 1
 
 
+def test_up_keeps_to_max_queued_and_max_submit_rate(tmp_path, monkeypatch):
+    env = fake_batch_system(tmp_path, "slurm")
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'system = "slurm"\naddress = "edge://{tmp_path}/edge"\n'
+                   '[script]\nmax_queued = 3\nmax_submit_rate = 4\n')
+    up = grain_cli("up", "-n", "2", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert up.returncode == 0 and up.stdout.count("submitted worker job") == 2
+    up = grain_cli("up", "-n", "2", "-c", str(cfg), env=env, cwd=tmp_path)
+    assert up.returncode == 0 and up.stdout.count("submitted worker job") == 1
+    assert "max_queued = 3 and 2 worker job(s) are queued: submitting 1 of 2" in up.stderr
+    # the rate: a pause of 1/4 s between submissions, none before the first
+    for var in ("PATH", "FAKE_SYSTEM", "FAKE_STATE"):
+        monkeypatch.setenv(var, env[var])
+    pauses = []
+    s = grain.load_config(str(cfg)).role("worker")
+    assert len(list(grain.submit_workers(s, 3, pause=pauses.append))) == 3
+    assert pauses == [0.25, 0.25]
+
+
+@trio_test
+async def test_the_swarm_submits_an_array_within_max_queued_and_the_rate(autojump_clock,
+                                                                         monkeypatch):
+    async def at_once(fn, *args):  # (a thread's wait would let the mock clock jump)
+        return fn(*args)
+
+    submitted = []  # (time, tasks)
+
+    def submit(s, script, extra, role, when, seq, tasks):
+        submitted.append((trio.current_time(), tasks))
+        assert ("--array=1-%d" % tasks in script) == bool(tasks)
+        return [f"{len(submitted)}_{i}" for i in range(1, tasks + 1)] or [str(len(submitted))]
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", at_once)
+    monkeypatch.setattr(grain, "submit_script", submit)
+    monkeypatch.setattr(grain, "batch_states", lambda system, ids, custom: dict.fromkeys(
+        ids, "PENDING"))
+    s = grain.parse_config('system = "slurm"\n[script]\narray = true\nmax_queued = 5\n'
+                           'max_submit_rate = 0.1\n', "x.toml").role("worker")
+    keeper = grain.SwarmKeeper(s, target=8, quota=100, window=600.0)
+    with trio.move_on_after(100):
+        await keeper.run(lambda: 0)
+    # five at once as one array (max_queued), then nothing: they stay queued
+    assert [tasks for _, tasks in submitted] == [5]
+    assert keeper.note == "max_queued reached: 5 worker job(s) queued"
+    one_by_one = dataclasses.replace(s.script, array=False, max_queued=0)
+    keeper = grain.SwarmKeeper(dataclasses.replace(s, script=one_by_one), 3, 100, 600.0)
+    submitted.clear()
+    with trio.move_on_after(100):
+        await keeper.run(lambda: 0)
+    start = submitted[0][0]
+    assert [(t - start, tasks) for t, tasks in submitted] == [(0, 0), (10, 0), (20, 0)]
+
+
 _JOB_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
             "JOB_ID", "SGE_TASK_ID", "LSB_JOBID", "LSB_JOBINDEX", "FLUX_JOB_ID", "GRAIN_JOB_ID")
 
@@ -3007,6 +3060,118 @@ def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
     finally:
         head.kill()
         head.wait()
+
+
+def test_a_wrapped_worker_runs_in_its_container_given_files_gpus_cores_and_job(tmp_path):
+    def line(wrap):
+        s = grain.parse_config(f'address = "edge://{tmp_path}/e/edge"\n[script]\ngpus = 1\n'
+                               f'[worker]\nwrap = "{wrap}"\n', "x.toml").role("worker")
+        return grain.worker_command(s, "/opt/g/grain.py")
+
+    key_dir = os.path.dirname(grain.default_key_path())
+    folders = sorted(["/opt/g", f"{tmp_path}/e", key_dir])
+    worker = (f"python3 /opt/g/grain.py worker --url edge://{tmp_path}/e/edge --res "
+              "'{\"Gpus\":{\"N\":1}}'")  # (the container's python3, unless script.python)
+    assert line("apptainer exec img.sif").startswith(
+        f"apptainer exec --bind={','.join(folders)} --nv img.sif {worker}")
+    podman = line("podman run --ipc=host img")
+    assert podman.startswith("podman run --rm --network=host " + " ".join(
+        f"--volume={d}:{d}" for d in folders))
+    assert "--env=SLURM_JOB_ID --env=SLURM_ARRAY_JOB_ID" in podman
+    assert "--device=nvidia.com/gpu=all --cpuset-cpus=\"$(sed -n " in podman
+    assert podman.endswith(f'/proc/self/status)" --ipc=host img {worker} --key '
+                           f'{grain.default_key_path()} --reattach 600s')
+    cp = subprocess.run(["bash", "-c", podman.split("--cpuset-cpus=")[1].split(" --ipc")[0]
+                         .join(["echo ", ""])], capture_output=True, text=True)
+    assert grain.parse_ids(cp.stdout.strip()) == sorted(os.sched_getaffinity(0))
+    assert line("env OMP_NUM_THREADS=1").startswith(f"env OMP_NUM_THREADS=1 {worker}")
+
+
+@needs_slurm
+def test_an_array_of_workers_on_slurm_each_in_its_container(tmp_path, slurm_cleanup):
+    # `up -n 2` with script.array: one sbatch; each task a worker, in a container (a fake
+    # apptainer that notes the flags it was given, then runs the command inside), that
+    # joins under its task id and writes its own log.
+    apptainer = tmp_path / "apptainer"
+    apptainer.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        [ "$1" = exec ] || exit 64
+        shift
+        while [[ "$1" == -* ]]; do echo "$1" >> {tmp_path}/flags-$SLURM_ARRAY_TASK_ID; shift; done
+        shift  # the image
+        exec "$@"
+    """))
+    apptainer.chmod(0o755)
+    cfg = slurm_config(tmp_path, python=sys.executable, array=True)
+    cfg.write_text(cfg.read_text() + f'[worker]\nwrap = "{apptainer} exec grain.sif"\n')
+    mission = tmp_path / "mission.py"
+    mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
+                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
+        up = grain_cli("up", "-c", str(cfg), "-n", "2", cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        job, = re.findall(r"submitted worker array job of 2 tasks, (\d+)_1 to \1_2 ", up.stdout)
+        out, err = head.communicate(timeout=120)
+        assert head.returncode == 0, err
+        results = _json.loads(out.strip().splitlines()[-1])
+        assert len(results) == 6
+        ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+        assert all(re.search(rf"^\S+-{job}_{i}\s", ls.stdout, re.M) for i in (1, 2)), ls.stdout
+        assert "submitted, not joined" not in ls.stdout  # each task marked by its id
+        for i in (1, 2):
+            folders = {HERE, str(tmp_path), os.path.dirname(grain.default_key_path())}
+            assert (tmp_path / f"flags-{i}").read_text().split() == [
+                f"--bind={','.join(sorted(folders))}"]
+            log, = tmp_path.glob(f"grain-worker-*-{i}.log")  # each task its own
+            assert f"worker {grain.hostname()}-{job}_{i} registered" in log.read_text()
+        assert len({tuple(r[3]) for r in results}) == 2  # each task the core it was given
+        stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path)
+        assert stop.returncode == 0 and "FIN to 2 worker(s)" in stop.stdout, stop.stderr
+        wait_for(lambda: not any(i.startswith(f"{job}_") for i in squeue_ids()), 60,
+                 "the tasks to leave squeue")
+    finally:
+        head.kill()
+        head.wait()
+
+
+@needs_slurm
+@pytest.mark.skipif(os.environ.get("GRAIN_TEST_RESTART_SLURMCTLD") != "1",
+                    reason="stops the Slurm controller for seconds: only where it is the "
+                           "suite's own (.ci/run sets GRAIN_TEST_RESTART_SLURMCTLD=1)")
+def test_up_n_4_rides_out_a_slurm_controller_gone_for_seconds(tmp_path, slurm_cleanup):
+    # The controller stops after the first submission and is back 12 s later: sbatch
+    # gives up after about 9 s of its own tries, grain tries again. Every worker job is
+    # submitted once, none twice.
+    cfg = slurm_config(tmp_path, python="/bin/false", max_submit_rate=1)
+    up = subprocess.Popen([sys.executable, GRAIN, "up", "-c", str(cfg), "-n", "4"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    book = grain.JobBook(f"edge://{tmp_path}/edge")
+    try:
+        wait_for(lambda: book.records(), 30, "the first submission")
+        subprocess.run(["pkill", "-x", "slurmctld"], check=True)
+        wait_for(lambda: subprocess.run(["pgrep", "-x", "slurmctld"]).returncode == 1, 30,
+                 "the controller to stop")
+        time.sleep(12)  # (the fault itself: the controller away this long)
+    finally:
+        if subprocess.run(["pgrep", "-x", "slurmctld"]).returncode == 1:
+            subprocess.run(["slurmctld"], check=True)
+    out, err = up.communicate(timeout=180)
+    assert up.returncode == 0, err
+    ids = re.findall(r"submitted worker job (\d+) ", out)
+    assert len(ids) == 4 == len(set(ids))
+    assert "Unable to contact slurm controller" in err and "trying again in 2 s" in err
+
+    def mine():
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %Z"],
+                             capture_output=True, text=True).stdout
+        return sorted(i for i, _, d in (x.partition(" ") for x in out.splitlines())
+                      if d == str(tmp_path))
+    wait_for(lambda: mine() == sorted(ids), 60, "Slurm to hold these four jobs, no more")
+    assert sorted(r["id"] for r in book.records()) == sorted(ids)
 
 
 @needs_slurm

@@ -3,8 +3,11 @@ prints a job id at once (so that the figure is grain's own cost, not the control
 
     python bench/bench_up.py [N]          # default 100
 
+Then `up -n N --array`: one submission of an array job of N tasks (issue 27).
+
 grain.py only: upstream Grain's `up` sleeps one second between submissions (so that its
 {{HHMMSS}} names differ), about N seconds by construction. The last line is
+"up -n N --array X s (S submission(s), T tasks recorded)", after the line
 "up -n N X s (Y distinct names)"."""
 import os
 import re
@@ -31,11 +34,18 @@ if __name__ == "__main__":
             f.write(f'system = "slurm"\naddress = "edge://{d}/edge"\n[worker]\n'
                     f'name = "w{{{{HHMMSS}}}}"\nlog_file = "{d}/w{{{{HHMMSS}}}}.log"\n')
         env = dict(os.environ, PATH=f"{d}:{os.environ['PATH']}", HOME=d)
-        t = time.perf_counter()
-        cp = subprocess.run([sys.executable, GRAIN_PY, "up", "-n", str(N), "-c", cfg],
-                            capture_output=True, text=True, env=env, cwd=d)
-        elapsed = time.perf_counter() - t
-        if cp.returncode != 0:
-            sys.exit(f"up failed: {cp.stderr.strip()}")
-        names = re.findall(r"submitted worker job \S+ \((\S+)\)", cp.stdout)
-        print(f"up -n {N} {elapsed:.2f} s ({len(set(names))} distinct names)")
+        for array in ([], ["--array"]):
+            open(f"{d}/count", "w").close()
+            t = time.perf_counter()
+            cp = subprocess.run([sys.executable, GRAIN_PY, "up", "-n", str(N), "-c", cfg,
+                                 *array], capture_output=True, text=True, env=env, cwd=d)
+            elapsed = time.perf_counter() - t
+            if cp.returncode != 0:
+                sys.exit(f"up failed: {cp.stderr.strip()}")
+            if array:
+                with open(f"{d}/count") as f, open(f"{d}/edge.jobs") as book:
+                    print(f"up -n {N} --array {elapsed:.2f} s ({len(f.read().split())} "
+                          f"submission(s), {len(book.read().splitlines()) - N} tasks recorded)")
+            else:
+                names = re.findall(r"submitted worker job \S+ \((\S+)\)", cp.stdout)
+                print(f"up -n {N} {elapsed:.2f} s ({len(set(names))} distinct names)")
