@@ -3999,7 +3999,8 @@ SYSTEMS = {
              "submit": lambda s: ["flux", "batch"], "cancel": lambda c: ["flux", "cancel"],
              "states": lambda ids, c: _ask(
                  ["flux", "jobs", "-n", "-o", "{id.f58} {state}", *ids], ids, _lines_of,
-                 lambda i, cp: i in cp.stderr.replace("\u0192", "f") and "unknown" in cp.stderr,
+                 lambda i, cp: i in cp.stderr.replace("\u0192", "f") and re.search(
+                     "unknown|not found", cp.stderr, re.I),
                  {"INACTIVE": ENDED, "RUN": "RUNNING", "CLEANUP": "RUNNING"},
                  lambda i: i.replace("\u0192", "f")),  # an id: ƒ..., or f... in ASCII
              "time_left": lambda job: float(_query(["flux", "job", "timeleft"]).stdout),

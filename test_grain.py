@@ -2717,6 +2717,15 @@ BUSY = {"slurm": "sbatch: error: Batch job submission failed: Socket timed out o
         "flux": "flux-batch: ERROR: Unable to connect to Flux: Connection refused"}
 
 
+DOWN = {"slurm": "slurm_load_jobs error: Unable to contact slurm controller (connect failure)",
+        "pbs": "Connection refused\nqstat: cannot connect to server srv (errno=111)",
+        "pbspro": "Connection refused\nqstat: cannot connect to server srv (errno=15010)",
+        "sge": "error: commlib error: got select error (Connection refused)\nerror: unable "
+               "to send message to qmaster using port 6444 on host \"master\": got send error",
+        "lsf": "LSF is down. Please wait ...", "flux": "flux-jobs: ERROR: Unable to connect "
+        "to Flux: broker socket /run/flux/local was not found"}
+
+
 def load():
     try:
         with open(STATE) as f:
@@ -2776,6 +2785,9 @@ def main(cmd, args):
     state = load()
     state["calls"].append([cmd] + args)
     jobs, out = state["jobs"], ""
+    if state.get("down") and cmd in ("squeue", "qstat", "bjobs", "flux jobs"):
+        save(state)
+        fail(DOWN[SYSTEM], 255 if SYSTEM == "lsf" else 1)
     if cmd in ("sbatch", "qsub", "flux batch"):
         out = submit(state, args, open(args[-1]).read())
     elif cmd == "bsub":
@@ -2806,13 +2818,16 @@ def main(cmd, args):
         if gone := [i for i in ids if i not in jobs]:
             print("\n".join(f"qstat: Unknown Job Id Error {i}" for i in gone), file=sys.stderr)
     elif cmd == "bjobs":  # -noheader -a -o "jobid stat jobindex" IDS
-        ids = args[5:]
+        ids = args[4:]
         for i in ids:
             if i not in jobs:
                 print(f"Job <{i}> is not found", file=sys.stderr)
         out = "\n".join(f"{i.split('[')[0]} RUN {i.split('[')[1][:-1] if '[' in i else 0}"
                         for i in ids if i in jobs)
     elif cmd == "flux jobs":  # -n -o "{id.f58} {state}" IDS
+        for i in args[3:]:
+            if i not in jobs:
+                print(f"JobID {i} unknown", file=sys.stderr)
         out = "\n".join(f"{i} RUN" for i in args[3:] if i in jobs)
     else:
         fail(f"fakebatch: {cmd} {args}: not a command of {SYSTEM}")
@@ -2886,10 +2901,27 @@ def test_each_batch_system_takes_its_script_and_its_jobs_are_asked_about_and_can
         assert "logs: " + str(tmp_path / "w-*.log") in up.stdout
     book = grain.JobBook(f"edge://{tmp_path}/edge")
     assert sorted(r["id"] for r in book.records()) == sorted(state()["jobs"])
+    # the controller away: every state unknown; a job it forgot (finished long ago): ended
+    for change, said in (({"down": True}, "state unknown"), ({"down": False}, "ENDED")):
+        st = state()
+        st.update(change)
+        forgot = sorted(st["jobs"])[0]
+        if "ENDED" in said:
+            del st["jobs"][forgot]
+        (tmp_path / "state.json").write_text(json.dumps(st))
+        ls = grain_cli("ls", "-c", str(cfg), env=env, cwd=tmp_path)
+        assert f"job {forgot} (grain-worker): {said}" in ls.stdout, ls.stdout
+        assert ls.stdout.count(said) == (5 if "unknown" in said else 1), ls.stdout
+    down = grain_cli("down", "-c", str(cfg), env=env, cwd=tmp_path)  # it forgets that one
+    assert "no job to cancel" not in down.stdout and len(book.records()) == 0
+    for _ in range(2):
+        up = grain_cli("up", "-n", "2" if _ else "3", *(["--array"] if _ else []), "-c",
+                       str(cfg), env=env, cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
     before = len(state()["calls"])
     ls = grain_cli("ls", "-c", str(cfg), env=env, cwd=tmp_path)
     for job_id in state()["jobs"]:
-        assert f"job {job_id} (grain-worker" in ls.stdout and ": RUNNING" in ls.stdout
+        assert f"job {job_id} (grain-worker): RUNNING" in ls.stdout, ls.stdout
     assert len(state()["calls"]) == before + 1  # one query for all five
     down = grain_cli("down", "-c", str(cfg), env=env, cwd=tmp_path)
     assert down.returncode == 0 and down.stdout.count("cancelled worker job") == 5, down.stdout
