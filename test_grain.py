@@ -3206,6 +3206,57 @@ def test_up_n_4_rides_out_a_slurm_controller_gone_for_seconds(tmp_path, slurm_cl
     assert sorted(r["id"] for r in book.records()) == sorted(ids)
 
 
+# Grid Engine's commands, where .ci/sge-up.sh puts them (beside Slurm's qsub, whose
+# package conflicts with Grid Engine's)
+SGE_BIN = os.environ.get("GRAIN_TEST_SGE_BIN", "/opt/gridengine/bin")
+needs_sge = pytest.mark.skipif(not os.path.exists(os.path.join(SGE_BIN, "qsub")),
+                               reason=f"no Grid Engine in {SGE_BIN} (.ci/sge-up.sh)")
+
+
+@needs_sge
+def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
+    env = dict(os.environ, PATH=f"{SGE_BIN}:{os.environ['PATH']}")
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'system = "sge"\naddress = "edge://{tmp_path}/edge"\n[script]\n'
+                   f'python = "{sys.executable}"\ncores = 1\nmemory = 1\n'
+                   'walltime = "0:10:00"\n')
+    mission = tmp_path / "mission.py"
+    mission.write_text(SLURM_MISSION.replace("SLURM_JOB_ID", "JOB_ID").format(
+        here=HERE, config=str(cfg)))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = None
+    try:
+        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
+                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
+        up = grain_cli("up", "-c", str(cfg), "-n", "2", "--array", cwd=tmp_path, env=env)
+        assert up.returncode == 0, up.stderr
+        job, = re.findall(r"submitted worker array job of 2 tasks, (\d+)\.1 to \1\.2 ",
+                          up.stdout)
+        out, err = head.communicate(timeout=120)
+        assert head.returncode == 0, err
+        results = _json.loads(out.strip().splitlines()[-1])
+        assert len(results) == 6 and {r[1] for r in results} == {job}  # (JOB_ID: the array's)
+        ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path, env=env)
+        assert all(re.search(rf"^\S+-{job}\.{i}\s", ls.stdout, re.M) for i in (1, 2)), ls.stdout
+        assert "submitted, not joined" not in ls.stdout
+        stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path, env=env)
+        assert stop.returncode == 0 and "FIN to 2 worker(s)" in stop.stdout, stop.stderr
+
+        def listed():
+            return subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True,
+                                  env=env).stdout.split()
+        wait_for(lambda: job not in listed(), 60, "the tasks to leave qstat")
+        for i in (1, 2):
+            log, = tmp_path.glob(f"grain-worker-*-{i}.log")  # each task its own
+            assert f"worker {grain.hostname()}-{job}.{i} registered" in log.read_text()
+    finally:
+        head.kill()
+        head.wait()
+        if job:
+            subprocess.run(["qdel", job], capture_output=True, env=env)
+
+
 @needs_slurm
 def test_a_worker_that_never_starts_is_reported_and_down_cancels(tmp_path, slurm_cleanup):
     cfg = slurm_config(tmp_path, python="/nonexistent/python3")

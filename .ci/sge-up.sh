@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # A real single-node Son of Grid Engine (Debian's gridengine-* 8.1.9 packages) on this
 # machine, for the end-to-end tests: qmaster and execd here, this host an admin, submit and
-# exec host, queue all.q with `nproc` slots and parallel environment smp. Idempotent.
+# exec host, queue all.q with `nproc` slots, parallel environment smp. Idempotent.
 #
-# Debian's Grid Engine cannot be installed with apt beside Slurm's qsub: slurm-wlm-torque
-# (which slurm-up.sh installs) declares Conflicts: gridengine-client, and both packages
-# own /usr/bin/qsub, qstat and qdel. So the four .debs are unpacked at their Debian paths
-# (/usr/lib/gridengine, /usr/share/gridengine, /var/lib/gridengine, /usr/sbin/sge_*) but
-# for their /usr/bin links, and what their maintainer scripts would do (sgeadmin,
-# bootstrap, act_qmaster, init_cluster) is done here: no debconf question is ever asked.
-# Grid Engine's commands are Debian's wrapper (which reads SGE_ROOT and SGE_CELL from
-# /etc/default/gridengine) linked as /opt/gridengine/bin/q*; /usr/bin/q* stay Slurm's.
-# To talk to Grid Engine: . /opt/gridengine/env.sh  (PATH=/opt/gridengine/bin:$PATH)
+# apt cannot install Grid Engine beside Slurm's qsub: slurm-wlm-torque (slurm-up.sh's)
+# declares Conflicts: gridengine-client, and both own /usr/bin/qsub, qstat, qdel. So the
+# four .debs are unpacked at their Debian paths but for their /usr/bin links, and what
+# their maintainer scripts would do (sgeadmin, bootstrap, act_qmaster, init_cluster) is
+# done here: no debconf question is asked. Grid Engine's q* are Debian's wrapper (it reads
+# SGE_ROOT and SGE_CELL from /etc/default/gridengine) linked in /opt/gridengine/bin, and
+# /usr/bin/q* stay Slurm's. For Grid Engine: . /opt/gridengine/env.sh (puts it first in PATH)
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 export SGE_ROOT=/var/lib/gridengine SGE_CELL=default
@@ -25,9 +23,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 if [ ! -x /usr/lib/gridengine/sge_qmaster ] || [ ! -x /usr/lib/gridengine/sge_execd ]; then
-  # The packages' dependencies that Slurm's have not already brought; tcsh is /bin/csh.
   debs="gridengine-common gridengine-client gridengine-master gridengine-exec"
   chown _apt "$tmp" 2>/dev/null || true  # so that apt-get download need not warn
+  # (libjemalloc2 and tcsh, their /bin/csh, are the dependencies Slurm's did not bring.)
   get() { apt-get install -y -qq libjemalloc2 tcsh >/dev/null 2>&1 \
     && (cd "$tmp" && apt-get download -qq $debs 2>/dev/null); }
   get || { apt-get update -qq && get; }
@@ -64,9 +62,8 @@ chown sgeadmin:sgeadmin "$SGE_ROOT" "$SGE_ROOT/$SGE_CELL" "$common" "$common"/* 
 [ -e $spool/spooldb/sge ] || su -s /bin/sh -c "/usr/share/gridengine/scripts/init_cluster \
   $SGE_ROOT $SGE_CELL $spool/spooldb sgeadmin" sgeadmin >/dev/null
 
-# (A daemon that has just died may linger as a zombie: pgrep -r leaves those out.)
 quiet() { local out; out=$("$@" 2>&1) || { echo "sge-up: $* failed: $out" >&2; exit 1; }; }
-running() { pgrep -x -r R,S,D "$1" >/dev/null; }
+running() { pgrep -x -r R,S,D "$1" >/dev/null; }  # not a zombie just dead
 running sge_qmaster || sge_qmaster
 for _ in $(seq 1 30); do qconf -sh >/dev/null 2>&1 && break; sleep 1; done
 
@@ -117,7 +114,8 @@ for _ in $(seq 1 90); do  # up when all.q@$host has a load and no state (a, u, E
     echo "sge is up: all.q@$host has $cpus slots, pe smp; use PATH=$bin:\$PATH"
     exit 0
   fi
-  case "$state" in *E*) qmod -c "all.q@$host" >/dev/null 2>&1 || true ;; esac
+  case "$state" in *E*) qmod -c "all.q@$host" >/dev/null 2>&1 || true ;;
+    *d*) qmod -e "all.q@$host" >/dev/null 2>&1 || true ;; esac
   sleep 1
 done
 echo "sge did not come up; qstat -f says: $(qstat -f 2>&1)" >&2
