@@ -3744,67 +3744,28 @@ def load_config(config_file=None):
 ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody could say
 
 
-def _mb(gb):
-    return max(1, int(gb * 1024))
+def _directive_values(s, name, log):
+    """What the directives of SYSTEMS name, from script settings ``s``; a falsy value is
+    not asked for (the batch system's default applies)."""
+    seconds = parse_walltime(s.walltime) if s.walltime else 0
+    minutes, mb = math.ceil(seconds / 60), max(1, int(s.memory * 1024)) if s.memory else 0
+    return dict(name=name, log=log, queue=s.queue, cores=s.cores, gpus=s.gpus, mb=mb,
+                slot_mb=mb and max(1, int(s.memory * 1024 / max(1, s.cores))),
+                time=seconds and format_walltime(seconds), minutes=minutes,
+                hms=seconds and format_walltime(seconds, True),
+                hm=minutes and f"{minutes // 60}:{minutes % 60:02d}",
+                shell=s.shebang[2:].split()[0], pe=s.parallel_env,
+                nodes=f"1:ppn={s.cores}" if s.cores else "1",
+                select="1" + "".join(f":{k}={v}" for k, v in (
+                    ("ncpus", s.cores), ("ngpus", s.gpus), ("mem", mb and f"{mb}mb")) if v))
 
 
-def _hms(s):
-    return format_walltime(parse_walltime(s.walltime), True)
-
-
-def _slurm_lines(s, name, log):
-    return [f"-J {name}", *([f"-p {s.queue}"] if s.queue else []), "--nodes=1",
-            *([f"--ntasks-per-node={s.cores}"] if s.cores else []),
-            *([f"--gres=gpu:{s.gpus}"] if s.gpus else []),
-            *([f"--mem={_mb(s.memory)}M"] if s.memory else []),
-            *([f"--time={format_walltime(parse_walltime(s.walltime))}"] if s.walltime else []),
-            *([f"-o {log}"] if log else [])]
-
-
-def _pbs_lines(s, name, log, pro=False):
-    """Torque's `nodes=1:ppn=N`, or PBS Pro's (and OpenPBS's) `select=1:ncpus=N`, which
-    refuses Torque's."""
-    select = "".join([f":ncpus={s.cores}" if s.cores else "", f":ngpus={s.gpus}" if s.gpus
-                      else "", f":mem={_mb(s.memory)}mb" if s.memory else ""])
-    return [f"-N {name}", *([f"-q {s.queue}"] if s.queue else []),
-            *([f"-l select=1{select}"] if pro else [
-                f"-l nodes=1:ppn={s.cores}" if s.cores else "-l nodes=1",
-                *([f"-l ngpus={s.gpus}"] if s.gpus else [])]),
-            *([f"-l walltime={_hms(s)}"] if s.walltime else []),
-            *([f"-l vmem={_mb(s.memory)}mb"] if s.memory and not pro else []),
-            "-j oe", *([f"-o {log}"] if log else [])]
-
-
-def _sge_lines(s, name, log):
-    """Grid Engine: cores through a parallel environment (its name is the site's), memory
-    per slot (h_vmem), and the script's own shell (its default is csh)."""
-    return [f"-N {name}", f"-S {s.shebang[2:].split()[0]}", "-cwd",
-            *([f"-q {s.queue}"] if s.queue else []),
-            *([f"-pe {s.parallel_env} {s.cores}"] if s.cores else []),
-            *([f"-l h_vmem={_mb(s.memory / max(1, s.cores))}M"] if s.memory else []),
-            *([f"-l gpu={s.gpus}"] if s.gpus else []),
-            *([f"-l h_rt={_hms(s)}"] if s.walltime else []),
-            "-j y", *([f"-o {log}"] if log else [])]
-
-
-def _lsf_lines(s, name, log):
-    minutes = math.ceil(parse_walltime(s.walltime) / 60) if s.walltime else 0
-    return [f"-J {name}", *([f"-q {s.queue}"] if s.queue else []),
-            *([f"-n {s.cores}", '-R "span[hosts=1]"'] if s.cores else []),
-            *([f'-gpu "num={s.gpus}"'] if s.gpus else []),
-            *([f"-M {_mb(s.memory)}MB", f'-R "rusage[mem={_mb(s.memory)}MB]"'] if s.memory
-              else []),
-            *([f"-W {minutes // 60}:{minutes % 60:02d}"] if minutes else []),
-            *([f"-o {log}"] if log else [])]
-
-
-def _flux_lines(s, name, log):
-    """Flux schedules no memory: `memory` is not asked for there."""
-    return [f"--job-name={name}", *([f"--queue={s.queue}"] if s.queue else []), "-N 1",
-            "-n 1", *([f"-c {s.cores}"] if s.cores else []),
-            *([f"-g {s.gpus}"] if s.gpus else []),
-            *([f"-t {math.ceil(parse_walltime(s.walltime) / 60)}m"] if s.walltime else []),
-            *([f"--output={log}"] if log else [])]
+def directives(form, s, name, log):
+    """The directives of ``form`` (a system's, in SYSTEMS) that every value they name is
+    set for, filled in."""
+    values = _directive_values(s, name, log)
+    return [d.format(**values) for d in form if all(values[k] for k in re.findall(
+        r"{(\w+)}", d))]
 
 
 def _query(argv):
@@ -3927,7 +3888,7 @@ def _user():
 
 
 # The batch systems, every command and format each needs, as data:
-#   directive, lines(script settings, name, log): the script's directives; prologue;
+#   directive, lines: the script's directives (see directives()); prologue;
 #   submit(settings): the command (stdin: it reads the script from its stdin, not a path);
 #   job_id: what it prints on submitting, a regular expression (default: its last word);
 #   states(ids, custom) -> {id: state} (one query); cancel(custom): the command (+ ids);
@@ -3950,7 +3911,9 @@ SYSTEMS = {
                "states": _custom_states, "time_left": None, "cpu_ids": None,
                "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY, "array": None,
                "hint": "check custom_system.submit_cmd in grain.toml"},
-    "slurm": {"directive": "#SBATCH", "lines": _slurm_lines, "prologue": "",
+    "slurm": {"directive": "#SBATCH", "prologue": "",
+              "lines": ["-J {name}", "-p {queue}", "--nodes=1", "--ntasks-per-node={cores}",
+                        "--gres=gpu:{gpus}", "--mem={mb}M", "--time={time}", "-o {log}"],
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
               "states": lambda ids, c: _ask(
                   ["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i %T"], ids, _lines_of,
@@ -3958,19 +3921,23 @@ SYSTEMS = {
               "time_left": _slurm_time_left, "cpu_ids": _slurm_cpu_ids,
               "me": lambda e: (e.get("SLURM_ARRAY_JOB_ID") and "{SLURM_ARRAY_JOB_ID}_"
                                "{SLURM_ARRAY_TASK_ID}".format(**e)) or e.get("SLURM_JOB_ID"),
-              "array": ("--array=1-{n}", lambda job, i: f"{job}_{i}",
-                        "SLURM_ARRAY_TASK_ID"),
+              "array": ("--array=1-{n}", lambda job, i: f"{job}_{i}", "SLURM_ARRAY_TASK_ID"),
               "busy": _BUSY + "|Unable to contact slurm controller|slurm_persist_conn",
               "hint": "is this a Slurm login node? If not, set system in grain.toml"},
-    "pbs": dict(_PBS, lines=_pbs_lines, states=lambda ids, c: _ask(
-                    ["qstat", "-f", *ids], ids, _pbs_listed, _pbs_gone, _PBS_WORDS,
-                    lambda i: i.split(".")[0]),
+    "pbs": dict(_PBS, lines=["-N {name}", "-q {queue}", "-l nodes={nodes}", "-l ngpus={gpus}",
+                             "-l walltime={hms}", "-l vmem={mb}mb", "-j oe", "-o {log}"],
+                states=lambda ids, c: _ask(["qstat", "-f", *ids], ids, _pbs_listed,
+                                           _pbs_gone, _PBS_WORDS, lambda i: i.split(".")[0]),
                 array=("-t 1-{n}", _pbs_task, "PBS_ARRAYID")),
-    "pbspro": dict(_PBS, lines=functools.partial(_pbs_lines, pro=True), states=lambda ids, c:
-                   _ask(["qstat", "-x", "-f", *ids], ids, _pbs_listed, _pbs_gone, _PBS_WORDS,
-                        lambda i: i.split(".")[0]),
+    "pbspro": dict(_PBS, lines=["-N {name}", "-q {queue}", "-l select={select}",  # (not
+                                "-l walltime={hms}", "-j oe", "-o {log}"],  # Torque's nodes=)
+                   states=lambda ids, c: _ask(["qstat", "-x", "-f", *ids], ids, _pbs_listed,
+                                              _pbs_gone, _PBS_WORDS, lambda i: i.split(".")[0]),
                    array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
-    "sge": {"directive": "#$", "lines": _sge_lines, "prologue": "",
+    "sge": {"directive": "#$", "prologue": "",  # (h_vmem: a slot's; -S: not its csh)
+            "lines": ["-N {name}", "-S {shell}", "-cwd", "-q {queue}", "-pe {pe} {cores}",
+                      "-l h_vmem={slot_mb}M", "-l gpu={gpus}", "-l h_rt={hms}", "-j y",
+                      "-o {log}"],
             "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",
             "cancel": lambda c: ["qdel"], "time_left": None, "cpu_ids": None,
             "states": lambda ids, c: _ask(["qstat", "-u", _user()], ids, _sge_listed,
@@ -3980,7 +3947,10 @@ SYSTEMS = {
             "array": ("-t 1-{n}", lambda job, i: f"{job}.{i}", "SGE_TASK_ID"),
             "busy": _BUSY + "|unable to contact qmaster|commlib error|failed receiving gdi",
             "hint": "is this a Grid Engine submit host? If not, set system in grain.toml"},
-    "lsf": {"directive": "#BSUB", "lines": _lsf_lines, "prologue": "", "stdin": True,
+    "lsf": {"directive": "#BSUB", "prologue": "", "stdin": True,  # (a path: not parsed)
+            "lines": ["-J {name}", "-q {queue}", "-n {cores}", '-R "span[hosts=1]"',
+                      '-gpu "num={gpus}"', "-M {mb}MB", '-R "rusage[mem={mb}MB]"', "-W {hm}",
+                      "-o {log}"],
             "submit": lambda s: ["bsub"], "job_id": r"Job <(\d+)>",
             "cancel": lambda c: ["bkill"], "time_left": None,
             "cpu_ids": lambda job: os.environ.get("LSB_BIND_CPU_LIST") and parse_ids(
@@ -3991,11 +3961,12 @@ SYSTEMS = {
                 {"DONE": ENDED, "EXIT": ENDED, "PEND": "PENDING", "RUN": "RUNNING"}),
             "me": lambda e: e.get("LSB_JOBID") and e["LSB_JOBID"] + (
                 f"[{e['LSB_JOBINDEX']}]" if e.get("LSB_JOBINDEX", "0") != "0" else ""),
-            "array": ("-J {name}[1-{n}]", lambda job, i: f"{job}[{i}]",
-                      "LSB_JOBINDEX"),
+            "array": ("-J {name}[1-{n}]", lambda job, i: f"{job}[{i}]", "LSB_JOBINDEX"),
             "busy": _BUSY + "|LSF is down|not responding|Failed in an LSF library call",
             "hint": "is this an LSF login node? If not, set system in grain.toml"},
-    "flux": {"directive": "#flux:", "lines": _flux_lines, "prologue": "",
+    "flux": {"directive": "#flux:", "prologue": "",  # (Flux schedules no memory)
+             "lines": ["--job-name={name}", "--queue={queue}", "-N 1", "-n 1", "-c {cores}",
+                       "-g {gpus}", "-t {minutes}m", "--output={log}"],
              "submit": lambda s: ["flux", "batch"], "cancel": lambda c: ["flux", "cancel"],
              "states": lambda ids, c: _ask(
                  ["flux", "jobs", "-n", "-o", "{id.f58} {state}", *ids], ids, _lines_of,
@@ -4205,13 +4176,13 @@ def render_script(s, main, when=None, seq=0, tasks=0):
         return _render_template(s, body, name, log_file, setup, cleanup, when, seq)
     if spec is None:  # no batch system: the script alone, to read (`up --dry`)
         return f"{s.script.shebang}\n{body}\n"
-    directives = spec["lines"](s.script, name, log_file)
+    lines = directives(spec["lines"], s.script, name, log_file)
     if array:  # (it replaces the line of the same option: LSF's -J name)
         line = array[0].format(n=tasks, name=name)
-        directives = [x for x in directives if re.split("[ =]", x)[0] != re.split(
-            "[ =]", line)[0]] + [line]
+        lines = [x for x in lines if re.split("[ =]", x)[0] != re.split("[ =]", line)[0]] \
+            + [line]
     lines = [s.script.shebang] + [f"{spec['directive']} {x}" for x in [
-        *directives, *s.script.extra_args]]
+        *lines, *s.script.extra_args]]
     if spec["prologue"]:
         lines.append(spec["prologue"])
     return "\n".join(lines + [body]) + "\n"

@@ -2442,6 +2442,24 @@ SLURM_MISSION = textwrap.dedent("""
 """)
 
 
+def start_mission(tmp_path, cfg, job_id_variable="SLURM_JOB_ID", env=None):
+    """SLURM_MISSION (its results name each job's batch job by ``job_id_variable``) as a
+    process, once its head is up in ``tmp_path/edge``."""
+    mission = tmp_path / "mission.py"
+    mission.write_text(SLURM_MISSION.replace("SLURM_JOB_ID", job_id_variable).format(
+        here=HERE, config=str(cfg)))
+    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
+                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
+    except BaseException:
+        head.kill()
+        head.wait()
+        raise
+    return head
+
+
 def test_render_slurm_script():
     w = grain.parse_config(EXAMPLE_TOML, "x.toml").role("worker")
     when = time.mktime((2026, 11, 22, 13, 14, 15, 0, 0, -1))
@@ -3044,13 +3062,8 @@ def test_up_n_2_on_a_real_batch_system(tmp_path, slurm_cleanup, system):
     # memory; a mem request through extra_args lets both run at once.
     extra = {"extra_args": ["-l mem=1gb"]} if system == "pbs" else {}
     cfg = slurm_config(tmp_path, system, **extra)
-    mission = tmp_path / "mission.py"
-    mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)))
-    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head = start_mission(tmp_path, cfg)
     try:
-        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
-                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
         up = grain_cli("up", "-c", str(cfg), "-n", "2", cwd=tmp_path)
         assert up.returncode == 0, up.stderr
         ids = re.findall(r"submitted worker job (\S+) ", up.stdout)
@@ -3136,13 +3149,8 @@ def test_an_array_of_workers_on_slurm_each_in_its_container(tmp_path, slurm_clea
     apptainer.chmod(0o755)
     cfg = slurm_config(tmp_path, python=sys.executable, array=True)
     cfg.write_text(cfg.read_text() + f'[worker]\nwrap = "{apptainer} exec grain.sif"\n')
-    mission = tmp_path / "mission.py"
-    mission.write_text(SLURM_MISSION.format(here=HERE, config=str(cfg)))
-    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head = start_mission(tmp_path, cfg)
     try:
-        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
-                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
         up = grain_cli("up", "-c", str(cfg), "-n", "2", cwd=tmp_path)
         assert up.returncode == 0, up.stderr
         job, = re.findall(r"submitted worker array job of 2 tasks, (\d+)_1 to \1_2 ", up.stdout)
@@ -3220,15 +3228,8 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
     cfg.write_text(f'system = "sge"\naddress = "edge://{tmp_path}/edge"\n[script]\n'
                    f'python = "{sys.executable}"\ncores = 1\nmemory = 1\n'
                    'walltime = "0:10:00"\n')
-    mission = tmp_path / "mission.py"
-    mission.write_text(SLURM_MISSION.replace("SLURM_JOB_ID", "JOB_ID").format(
-        here=HERE, config=str(cfg)))
-    head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = None
+    head, job = start_mission(tmp_path, cfg, "JOB_ID", env), None
     try:
-        wait_for(lambda: '"lid"' in (tmp_path / "edge").read_text()
-                 if (tmp_path / "edge").exists() else False, 30, "the mission's head")
         up = grain_cli("up", "-c", str(cfg), "-n", "2", "--array", cwd=tmp_path, env=env)
         assert up.returncode == 0, up.stderr
         job, = re.findall(r"submitted worker array job of 2 tasks, (\d+)\.1 to \1\.2 ",
