@@ -3855,6 +3855,13 @@ def _pbs_time_left(job_id):
         if asked else None
 
 
+def _lsf_time_left(job_id):
+    """``bjobs -o time_left``: "hours:minutes" and a letter (L: to the run limit)."""
+    out = _query(["bjobs", "-noheader", "-o", "time_left", job_id]).stdout
+    return int(m[1]) * 3600 + int(m[2]) * 60 if (m := re.match(r"\s*(\d+):(\d+)", out)) \
+        else None
+
+
 def parse_ids(text):
     """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
     return [i for lo, _, hi in (part.partition("-") for part in text.split(","))
@@ -3952,7 +3959,7 @@ SYSTEMS = {
                       '-gpu "num={gpus}"', "-M {mb}MB", '-R "rusage[mem={mb}MB]"', "-W {hm}",
                       "-o {log}"],
             "submit": lambda s: ["bsub"], "job_id": r"Job <(\d+)>",
-            "cancel": lambda c: ["bkill"], "time_left": None,
+            "cancel": lambda c: ["bkill"], "time_left": _lsf_time_left,
             "cpu_ids": lambda job: os.environ.get("LSB_BIND_CPU_LIST") and parse_ids(
                 os.environ["LSB_BIND_CPU_LIST"]),  # (when LSF's affinity binds them)
             "states": lambda ids, c: _ask(

@@ -3007,6 +3007,30 @@ async def test_the_swarm_submits_an_array_within_max_queued_and_the_rate(autojum
     assert [(t - start, tasks) for t, tasks in submitted] == [(0, 0), (10, 0), (20, 0)]
 
 
+@pytest.mark.parametrize("system,env,fake,seconds", [
+    ("slurm", {"SLURM_JOB_ID": "42"}, "[ \"$*\" = '-h -j 42 -o %e' ] && date -d @$(( $(date "
+     "+%s) + 600 )) +%Y-%m-%dT%H:%M:%S", 600),
+    ("pbs", {"PBS_JOBID": "42.srv"}, "echo 'Job Id: 42.srv'; echo '    Walltime.Remaining = "
+     "540'", 540),
+    ("pbs", {"PBS_JOBID": "42.srv"}, "echo '    Resource_List.walltime = 01:00:00'; echo '  "
+     "  resources_used.walltime = 00:10:00'", 3000),  # (PBS Pro's)
+    ("lsf", {"LSB_JOBID": "42", "LSB_JOBINDEX": "0"}, "[ \"$*\" = '-noheader -o time_left 42' ]"
+     " && echo '1:30 L'", 5400),
+    ("flux", {"FLUX_JOB_ID": "\u0192Abc"}, "[ \"$*\" = 'job timeleft' ] && echo 120", 120),
+])
+def test_a_worker_asks_its_batch_system_when_its_allocation_ends(tmp_path, monkeypatch, system,
+                                                                 env, fake, seconds):
+    for var in _JOB_ENV:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    for cmd in ("squeue", "qstat", "bjobs", "flux"):
+        (tmp_path / cmd).write_text(f"#!/bin/bash\n{fake}\n")
+        (tmp_path / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert abs(grain.allocation_end() - seconds) < 5
+
+
 _JOB_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
             "JOB_ID", "SGE_TASK_ID", "LSB_JOBID", "LSB_JOBINDEX", "FLUX_JOB_ID", "GRAIN_JOB_ID")
 
