@@ -8765,7 +8765,8 @@ _COMMAND_LINE = [
     ("stop", "stop the head daemon (its workers get FIN)", _AT_HEAD, []),
     ("scale", "keep N workers submitted (0: autoscaling off)", _AT_HEAD, [
         (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
-    ("up", "submit worker jobs to the batch system (other arguments go to sbatch/qsub)",
+    ("up", "submit worker jobs to the batch system (other arguments go to its submit "
+           "command: sbatch, qsub, bsub, flux batch)",
      ("config", "dry"), [(("-n",), dict(type=int, default=1, metavar="N", help="how many "
                                          "(default 1)")),
                          (("--array",), dict(action="store_true", help="as one array job "
@@ -9110,7 +9111,7 @@ def main(argv=None):
         return _subproc_child_main(int(argv[1]))
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if args.command in ("up", "start"):  # `up -n 2 --qos=debug`: the rest goes to sbatch/qsub
+    if args.command in ("up", "start"):  # `up -n 2 --qos=debug`: the rest goes to sbatch...
         args.extra = [a for a in unknown if a != "--"]
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
