@@ -3031,6 +3031,17 @@ def test_a_worker_asks_its_batch_system_when_its_allocation_ends(tmp_path, monke
     assert abs(grain.allocation_end() - seconds) < 5
 
 
+def test_an_lsf_worker_takes_the_cores_lsf_bound_it_to(monkeypatch):
+    for var in _JOB_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LSB_JOBID", "42")
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # (its cpuset: the whole node)
+    monkeypatch.setenv("LSB_BIND_CPU_LIST", "1,3")
+    assert grain.batch_cpu_ids([0, 1, 2, 3]) == [1, 3]
+    monkeypatch.delenv("LSB_BIND_CPU_LIST")  # (no affinity asked: nothing better to say)
+    assert grain.batch_cpu_ids([0, 1, 2, 3]) is None
+
+
 _JOB_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
             "JOB_ID", "SGE_TASK_ID", "LSB_JOBID", "LSB_JOBINDEX", "FLUX_JOB_ID", "GRAIN_JOB_ID")
 
