@@ -3924,7 +3924,9 @@ SYSTEMS = {
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
               "states": lambda ids, c: _ask(
                   ["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i %T"], ids, _lines_of,
-                  lambda i, cp: cp.returncode == 0 or "Invalid job id" in cp.stderr, {}),
+                  lambda i, cp: cp.returncode == 0 or "Invalid job id" in cp.stderr,
+                  dict.fromkeys(("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                 "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), ENDED)),
               "time_left": _slurm_time_left, "cpu_ids": _slurm_cpu_ids,
               "me": lambda e: (e.get("SLURM_ARRAY_JOB_ID") and "{SLURM_ARRAY_JOB_ID}_"
                                "{SLURM_ARRAY_TASK_ID}".format(**e)) or e.get("SLURM_JOB_ID"),

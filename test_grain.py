@@ -2656,6 +2656,7 @@ def test_start_runs_head_cmd_locally_or_renders_its_job(tmp_path):
 
 @pytest.mark.parametrize("fake,states", [
     ("echo 5 RUNNING", {"5": "RUNNING", "6": "ENDED"}),
+    ("echo 5 COMPLETED; echo 6 TIMEOUT", {"5": "ENDED", "6": "ENDED"}),  # (still listed)
     ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1",
      {"5": "ENDED", "6": "ENDED"}),
     ("echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1",
