@@ -3945,6 +3945,7 @@ SYSTEMS = {
                    array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
     "sge": {"directive": "#$", "prologue": "",  # (h_vmem: a slot's; -S: not its csh)
             "lines": ["-N {name}", "-S {shell}", "-cwd", "-q {queue}", "-pe {pe} {cores}",
+                      "-binding linear:{cores}",  # its own cores: a cpuset, not all
                       "-l h_vmem={slot_mb}M", "-l gpu={gpus}", "-l h_rt={hms}", "-j y",
                       "-o {log}"],
             "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",

@@ -2717,6 +2717,7 @@ GRAMMAR = {  # the directive prefix, and the options it takes (whole-line patter
                         f"(:mem={NUM}mb)?", f"-l walltime={HMS}", "-j oe", f"-o {ANY}",
                         f"-J 1-{NUM}"]),
     "sge": ("#$", [f"-N {ANY}", "-S /\\S+", "-cwd", f"-q {ANY}", f"-pe \\w+ {NUM}",
+                   f"-binding linear:{NUM}",
                    f"-l h_vmem={NUM}M", f"-l gpu={NUM}", f"-l h_rt={HMS}", "-j y",
                    f"-o {ANY}", f"-t 1-{NUM}"]),
     "lsf": ("#BSUB", [f"-J [^\\s\\[]+(\\[1-{NUM}\\])?", f"-q {ANY}", f"-n {NUM}",
@@ -2886,7 +2887,7 @@ SCRIPT_DIRECTIVES = {
     "pbspro": ["-N grain-worker", "-q short", "-l select=1:ncpus=4:ngpus=1:mem=8192mb",
                "-l walltime=01:30:00", "-j oe", "-o LOG"],
     "sge": ["-N grain-worker", "-S /bin/bash", "-cwd", "-q short", "-pe smp 4",
-            "-l h_vmem=2048M", "-l gpu=1", "-l h_rt=01:30:00", "-j y", "-o LOG"],
+            "-binding linear:4", "-l h_vmem=2048M", "-l gpu=1", "-l h_rt=01:30:00", "-j y", "-o LOG"],
     "lsf": ["-J grain-worker", "-q short", "-n 4", '-R "span[hosts=1]"', '-gpu "num=1"',
             "-M 8192MB", '-R "rusage[mem=8192MB]"', "-W 1:30", "-o LOG"],
     "flux": ["--job-name=grain-worker", "--queue=short", "-N 1", "-n 1", "-c 4", "-g 1",
@@ -3274,6 +3275,7 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
         assert head.returncode == 0, err
         results = _json.loads(out.strip().splitlines()[-1])
         assert len(results) == 6 and {r[1] for r in results} == {job}  # (JOB_ID: the array's)
+        assert len({tuple(r[3]) for r in results}) == 2  # each bound to its own core
         ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path, env=env)
         assert all(re.search(rf"^\S+-{job}\.{i}\s", ls.stdout, re.M) for i in (1, 2)), ls.stdout
         assert "submitted, not joined" not in ls.stdout
