@@ -111,6 +111,7 @@ import math
 import operator
 import os
 import pickle
+import pwd
 import re
 import shlex
 import signal
@@ -3889,11 +3890,6 @@ def _pbs_task(job, i):
     return job.replace("[]", f"[{i}]")  # qsub said 123[].server: its task 4 is 123[4].server
 
 
-def _user():
-    import pwd
-    return pwd.getpwuid(os.getuid()).pw_name
-
-
 # The batch systems, every command and format each needs, as data:
 #   directive, lines: the script's directives (see directives()); prologue;
 #   submit(settings): the command (stdin: it reads the script from its stdin, not a path);
@@ -3950,8 +3946,9 @@ SYSTEMS = {
                       "-o {log}"],
             "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",
             "cancel": lambda c: ["qdel"], "time_left": None, "cpu_ids": None,
-            "states": lambda ids, c: _ask(["qstat", "-u", _user()], ids, _sge_listed,
-                                          lambda i, cp: cp.returncode == 0, _sge_word),
+            "states": lambda ids, c: _ask(  # (the user's jobs: all that are not ended)
+                ["qstat", "-u", pwd.getpwuid(os.getuid()).pw_name], ids, _sge_listed,
+                lambda i, cp: cp.returncode == 0, _sge_word),
             "me": lambda e: e.get("JOB_ID") and "SGE_TASK_ID" in e and e["JOB_ID"] + (
                 "" if e["SGE_TASK_ID"] == "undefined" else "." + e["SGE_TASK_ID"]),
             "array": ("-t 1-{n}", lambda job, i: f"{job}.{i}", "SGE_TASK_ID"),
