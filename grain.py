@@ -4236,9 +4236,6 @@ class JobBook:
             log.warning("job records %s are corrupt (%s); ignoring them", self.path, e)
             return []
 
-    def add(self, record):
-        self.update(lambda records: records + [record])
-
     def update(self, change):
         """Rewrite the records through ``change(records) -> records``."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

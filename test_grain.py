@@ -3083,7 +3083,8 @@ def test_down_and_ls_keep_jobs_whose_state_is_unknown(tmp_path):
     cfg = tmp_path / "grain.toml"
     cfg.write_text(f'system = "slurm"\naddress = "edge://{tmp_path}/edge"\n')
     book = grain.JobBook(f"edge://{tmp_path}/edge")
-    book.add({"id": "41", "system": "slurm", "role": "worker", "name": "w", "log": ""})
+    book.update(lambda rs: rs + [{"id": "41", "system": "slurm", "role": "worker",
+                                  "name": "w", "log": ""}])
     env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
     ls = grain_cli("ls", "-c", str(cfg), env=env)
     assert "job 41 (w): state unknown" in ls.stdout and "ENDED" not in ls.stdout
