@@ -1881,18 +1881,21 @@ def unpickle_result(job, ok, data, where):
 # is fed bytes and hands out whole frames. Every connection starts with a mutual
 # HMAC-SHA256 challenge-response over the shared key, in raw fixed-size messages:
 # nothing is unpickled until both sides have proved they hold the key. Then each frame
-# holds one pickled message, a tuple ``(name, *fields)`` from the MESSAGES table, and
-# every receiver hands it to dispatch(). After the handshake, each write of frames ends in
-# a tag frame that proves they came from the key holder, in this order (Seal): what a
-# relay or the path alters, drops, replays or injects is refused before it is unpickled.
+# holds the messages of one write, pickled together (a list; one message alone may be a
+# frame of its own): each a tuple ``(name, *fields)`` from the MESSAGES table, which every
+# receiver hands to dispatch(). (One pickle a write, not one a message: a pickler's start
+# and the classes it names -- an allocation's -- are paid once for a whole batch.) After
+# the handshake, each write ends in a tag frame that proves its frames came from the key
+# holder, in this order (Seal): what a relay or the path alters, drops, replays or injects
+# is refused before it is unpickled.
 # Job functions, arguments and results travel inside messages as pickle or dill bytes,
 # opened only by missions and workers.
 
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
-AUTH_MAGIC = b"GRAIN\x03\r\n"  # 8 bytes: protocol name and version (3: sealed writes)
+AUTH_MAGIC = b"GRAIN\x04\r\n"  # 8 bytes: protocol name and version (4: a pickle a write)
 AUTH_NONCE = 32                 # bytes of randomness each side contributes
 AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
-WRITE_FRAMES = 1024             # frames of one write at most: a backlog goes out in many,
+WRITE_MESSAGES = 1024           # messages of one write at most: a backlog goes out in many,
                                 # so neither side holds its event loop long over one
 SEAL_TAG = 16                   # bytes of a write's integrity tag (keyed BLAKE2b)
 TAG_FRAME = b"\x00"  # a frame that starts so holds a tag (a message, a pickle, starts \x80)
@@ -1960,6 +1963,10 @@ class Handshake:
 
     def proof(self, peer_hello):
         if len(peer_hello) != self.HELLO_SIZE or not peer_hello.startswith(AUTH_MAGIC):
+            if peer_hello.startswith(AUTH_MAGIC[:5]):  # (a grain.py of another version)
+                raise AuthenticationError(
+                    f"the peer speaks version {peer_hello[5]} of the grain protocol, this "
+                    f"grain.py {AUTH_MAGIC[5]}: run the same grain.py on both sides")
             raise AuthenticationError("the peer does not speak the grain protocol")
         self.peer_nonce = peer_hello[len(AUTH_MAGIC):]
         return self._mac(self.role, self.peer_nonce, self.nonce)
@@ -2587,6 +2594,16 @@ async def _wait_to_be_called(edge, seen, key):
                               if not (isinstance(d, dict) and d.get("did") == did)]
 
 
+def _frames_of(msgs, most):
+    """The frames of a write of ``msgs``: one pickle of them all, or, when that is larger
+    than a frame may be (large payloads), of each half in turn."""
+    data = dumps_control(msgs)
+    if len(data) > most and len(msgs) > 1:
+        half = len(msgs) // 2
+        return _frames_of(msgs[:half], most) + _frames_of(msgs[half:], most)
+    return [FRAME_HEADER.pack(len(data)), data]
+
+
 class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
@@ -2595,7 +2612,7 @@ class Channel:
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
-        self._checked = deque()  # frames received (and proved, when sealed)
+        self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
         self._closed = False
@@ -2607,10 +2624,10 @@ class Channel:
         self.silent = False           # set when the watchdog gave up on the peer
 
     def send(self, msg):
-        """Queue a control message; the writer task sends it with whatever else is queued."""
+        """Queue a control message; the writer task sends it with whatever else is queued.
+        (It is pickled then: what it holds must not change until it has gone out.)"""
         if not self._closed:
-            payload = dumps_control(msg)
-            self._out += (FRAME_HEADER.pack(len(payload)), payload)
+            self._out.append(msg)
             self._wakeup.set()
 
     async def run_writer(self):
@@ -2638,8 +2655,8 @@ class Channel:
         try:
             while self._out:
                 out, self._out = self._out, []
-                for i in range(0, len(out), 2 * WRITE_FRAMES):  # (a header and a payload each)
-                    write = out[i:i + 2 * WRITE_FRAMES]
+                for i in range(0, len(out), WRITE_MESSAGES):
+                    write = _frames_of(out[i:i + WRITE_MESSAGES], self._max_frame)
                     if self._seal is not None:
                         write.append(self._seal.tag(write))
                     await self.stream.send_all(b"".join(write))
@@ -2663,16 +2680,18 @@ class Channel:
                 return None
             if frame is None:
                 return None
-            if self._seal is None:
-                self._checked.append(frame)
-            else:
-                self._checked.extend(self._seal.opened(frame, self.peer, self._max_frame))
-        frame = self._checked.popleft()
-        self.last_heard = self._clock()
-        try:
-            return pickle.loads(frame)
-        except Exception as e:  # authenticated, yet undecodable: drop this peer only
-            raise PeerError(f"undecodable message from {self.peer}: {e}") from None
+            self.last_heard = self._clock()
+            for frame in (frame,) if self._seal is None else self._seal.opened(
+                    frame, self.peer, self._max_frame):
+                try:
+                    msgs = pickle.loads(frame)
+                except Exception as e:  # authenticated, yet undecodable: drop this peer only
+                    raise PeerError(f"undecodable message from {self.peer}: {e}") from None
+                if type(msgs) is list:
+                    self._checked.extend(msgs)
+                else:
+                    self._checked.append(msgs)
+        return self._checked.popleft()
 
     def close_after_flush(self):
         self._closed = True

@@ -1190,6 +1190,10 @@ def test_handshake_state_machine():
         a.verify(pc)
     with pytest.raises(grain.AuthenticationError, match="does not speak"):
         a.proof(b"HTTP/1.1 200 OK" + b"x" * 25)
+    older = b"GRAIN\x03\r\n" + os.urandom(32)  # a grain.py from before one pickle a write
+    with pytest.raises(grain.AuthenticationError, match="speaks version 3 of the grain protocol"
+                       ", this grain.py 4: run the same grain.py on both sides"):
+        a.proof(older)
 
 
 @trio_test
@@ -1352,6 +1356,15 @@ async def test_oversized_frame_after_auth_closes_only_that_connection(workers):
         assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
 
 
+async def _read_messages(frames, n):
+    """The next ``n`` messages (at least) a grain side wrote on an unsealed stream: a frame
+    holds a write's messages, pickled together as a list."""
+    got = []
+    while len(got) < n:
+        got += pickle.loads(await frames.receive())
+    return got
+
+
 def _sealed(seal, payload, tag_of=None):
     """A write of ``payload``'s frame and the tag frame ``seal`` gives it (or gave
     ``tag_of``'s)."""
@@ -1368,8 +1381,8 @@ async def test_a_frame_altered_dropped_replayed_or_injected_closes_its_connectio
     # is caught by that write's tag: the "ping" after it.)
     evil = tmp_path / "pwned"
     bomb = pickle.dumps(CreatesFile(str(evil)))
-    register = grain.dumps_control(("register", {"name": "w", "res": Cores(1), "pid": 1}))
-    ping = grain.dumps_control(("ping",))
+    register = grain.dumps_control([("register", {"name": "w", "res": Cores(1), "pid": 1})])
+    ping = grain.dumps_control([("ping",)])
     attacks = {
         "altered": lambda s: [(f := _sealed(s, register))[:30] + bytes([f[30] ^ 1]) + f[31:]],
         "dropped": lambda s: [(s.tag([grain.encode_frame(register)]), _sealed(s, bomb))[1]],
@@ -4042,10 +4055,8 @@ async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
         await exer.wait_for_workers(1)
         t0 = trio.current_time()
         job = exer.submit(Cores(1), where_am_i, 1)
-        frames = grain.FrameStream(fake_side)
-        assert pickle.loads(await frames.receive())[0] == "head"  # (who it is)
-        assert pickle.loads(await frames.receive())[0] == "fn"
-        assert pickle.loads(await frames.receive())[0] == "run"   # it was sent there
+        sent = await _read_messages(grain.FrameStream(fake_side), 3)
+        assert [m[0] for m in sent] == ["head", "fn", "run"]  # who it is; and it was sent there
         while exer.workers:                                        # ...which never answers
             await trio.sleep(1)
         assert trio.current_time() - t0 == pytest.approx(grain.SILENT_S, abs=1)
@@ -4558,16 +4569,14 @@ async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojum
         worker_side, head1 = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker.serve, worker_side, Cores([0, 1]), reconnect)
-            frames = grain.FrameStream(head1)
-            assert pickle.loads(await frames.receive())[0] == "register"
+            assert (await _read_messages(grain.FrameStream(head1), 1))[0][0] == "register"
             for msg in (("fn", "d", grain.dumps_job_value(_gated_job, "")),
                         ("run", "key#0", "d", grain.NO_ARGS_PAYLOAD, Cores([0]), None)):
                 await head1.send_all(grain.encode_frame(grain.dumps_control(msg)))
             await _GATES["running"].wait()
             await head1.aclose()   # the head goes...
             _GATES["go"].set()     # ...as the job ends
-            frames = grain.FrameStream(await heads[1].receive())
-            got = [pickle.loads(await frames.receive())[:3] for _ in range(2)]
+            got = [m[:3] for m in await _read_messages(grain.FrameStream(await heads[1].receive()), 2)]
             assert got[0][0] == "register" and got[1] == ("done", "key#0", True)
             nursery.cancel_scope.cancel()
 
