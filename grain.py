@@ -7940,9 +7940,6 @@ class WorkerProcess:
             self.cancelled.discard(jid)
             if scope.cancelled_caught:
                 self.send(("cancelled", jid))
-        if self.channel is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self.channel.flush()
         if self.state == "draining" and not self.running:
             self.leave(self.why)
 
