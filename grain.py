@@ -2666,10 +2666,15 @@ class Channel:
                 self._wakeup.set()  # let the writer see that the last bytes are out
 
     @property
+    def buffered(self):
+        """Has input come that receive() has not handed out yet?"""
+        return bool(self._checked or self._frames._ready)
+
+    @property
     def flush_due(self):
         """Is output queued while no input waits to be read? (Then nothing that input
         could add is to go out with it: send it now.)"""
-        return bool(self._out) and not self._frames._ready and not self._checked
+        return bool(self._out) and not self.buffered
 
     async def receive(self):
         """The next message, or None when the peer closed the connection."""
@@ -5801,11 +5806,14 @@ class Scheduler:
 # Reunion.
 
 
-async def receive_all(channel, handlers):
+async def receive_all(channel, handlers, after_batch=None):
     """Dispatch every message of ``channel`` to ``handlers`` until the peer closes it.
-    Before waiting for more, send what the handlers queued: the jobs a batch of results
-    let start go out in one write."""
+    Before waiting for more, call ``after_batch()`` (when given: a pump, once for a batch
+    of results, not once a result), then send what the handlers queued: the jobs a batch
+    of results let start go out in one write."""
     while True:
+        if after_batch is not None and not channel.buffered:
+            after_batch()
         if channel.flush_due:
             await channel.flush()
         msg = await channel.receive()
@@ -5994,10 +6002,10 @@ class HeadCore:
         self.pump()
 
     def job_reported(self, job, ok, data, duration, kind, where):
-        """A remote worker's job ended: its value or exception, pickled."""
+        """A remote worker's job ended: its value or exception, pickled. (Queued jobs start
+        once the worker's whole batch of results is in: its serve loop pumps then.)"""
         self.scheduler.release(job, ok=ok)
         self.deliver(job, ok, data, duration, kind, where)
-        self.pump()
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
@@ -6149,7 +6157,7 @@ class HeadService:
                  w.pid, w.offered)
         why, kind = "was lost (its connection closed)", RETRY_LOST
         try:
-            await receive_all(channel, w.message_handlers())
+            await receive_all(channel, w.message_handlers(), self.owner.pump)
         except PeerError as e:
             why = f"was dropped ({e})"
             log.warning("worker %s from %s %s", w.name, channel.peer, why)
