@@ -2595,13 +2595,13 @@ async def _wait_to_be_called(edge, seen, key):
 
 
 def _frames_of(msgs, most):
-    """The frames of a write of ``msgs``: one pickle of them all, or, when that is larger
-    than a frame may be (large payloads), of each half in turn."""
+    """The frames that carry ``msgs``: one pickle of them all, or, when that is larger than
+    a frame may be (large payloads), of each half in turn."""
     data = dumps_control(msgs)
     if len(data) > most and len(msgs) > 1:
         half = len(msgs) // 2
         return _frames_of(msgs[:half], most) + _frames_of(msgs[half:], most)
-    return [FRAME_HEADER.pack(len(data)), data]
+    return [data]
 
 
 class Channel:
@@ -2656,10 +2656,13 @@ class Channel:
             while self._out:
                 out, self._out = self._out, []
                 for i in range(0, len(out), WRITE_MESSAGES):
-                    write = _frames_of(out[i:i + WRITE_MESSAGES], self._max_frame)
-                    if self._seal is not None:
-                        write.append(self._seal.tag(write))
-                    await self.stream.send_all(b"".join(write))
+                    # (a write, and a tag, a frame: a receiver holds no more than a frame's
+                    # worth of bytes untagged)
+                    for frame in _frames_of(out[i:i + WRITE_MESSAGES], self._max_frame):
+                        write = [FRAME_HEADER.pack(len(frame)), frame]
+                        if self._seal is not None:
+                            write.append(self._seal.tag(write))
+                        await self.stream.send_all(b"".join(write))
         finally:
             self._writing = False
             if self._closed:

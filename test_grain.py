@@ -1197,6 +1197,27 @@ def test_handshake_state_machine():
 
 
 @trio_test
+async def test_a_write_that_would_exceed_the_largest_frame_goes_in_several():
+    # A write's messages are pickled together; when that would make a frame larger than
+    # the receiver takes, they go as several frames, each within it, in their order, each
+    # with its tag (a receiver holds at most a frame's worth untagged). (Whole: four
+    # 400-byte results are 1.7 KB, over a 1,000-byte limit.)
+    key = os.urandom(32)
+    left, right = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(grain.authenticate, left, key, True)
+        nursery.start_soon(grain.authenticate, right, key, False)
+    sent = [("done", i, True, os.urandom(400), 0.5) for i in range(4)]
+    a, b = grain.Channel(left, 1000, "left"), grain.Channel(right, 1000, "right")
+    for msg in sent:
+        a.send(msg)
+    await a.flush()
+    assert [await b.receive() for _ in sent] == sent
+    assert (a._seal.sent, b._seal.received) == (2, 2)  # two frames of two, two tags
+    assert len(grain._frames_of(sent, 1 << 20)) == 1   # ...and one frame when it fits
+
+
+@trio_test
 async def test_the_protocol_over_memory_streams(autojump_clock):
     key = os.urandom(32)
     left, right = trio.testing.memory_stream_pair()
