@@ -221,8 +221,9 @@ BACKFILL_DEPTH = 64       # how far behind a blocked job the scheduler looks for
 RESERVE_AFTER_S = 30.0    # a job blocked this long reserves a worker: nothing else starts there
 FEW_WORKERS = 8           # up to this many, the scheduler looks at each for each job
 IDLE_TASKS = 64           # tasks a worker keeps, done with a job, to run the next (TaskPool)
-FREEZE_JOBS = 100_000     # each time a mission has submitted this many more jobs, the cyclic
-                          # collector stops walking the heap as it is then (gc.freeze)
+FREEZE_JOBS = 100_000     # each time a mission (or the head daemon) has taken this many more
+                          # jobs, the cyclic collector stops walking the heap as it is then
+                          # (gc.freeze), until the mission ends (the daemon: is idle)
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -8342,6 +8343,8 @@ class HeadDaemon(HeadCore):
         job.ref = ref
         job.wire = f"{m.token}/{ref}"
         job.payload = payload
+        if not job.id % FREEZE_JOBS:  # (as a mission does: see GrainExecutor._track)
+            gc.freeze()
         if not (resumed and self.reunion.offer(job, hold=True)):
             self.scheduler.push(job)
 
@@ -8357,6 +8360,8 @@ class HeadDaemon(HeadCore):
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
                  f"; dropped {dropped} queued and cancelled {len(running)} running job(s)"
                  if dropped or running else "")
+        if not self.missions:  # (what _accept_job froze is the collector's again)
+            gc.unfreeze()
         self.pump()
 
     def _changed(self):

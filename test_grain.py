@@ -5833,6 +5833,39 @@ class InProcessDaemon:
                 done += (await ch.receive())[0] == "done"
 
 
+@trio_test
+async def test_the_head_daemon_keeps_the_collector_off_a_large_queue_until_it_is_idle(
+        monkeypatch, autojump_clock):
+    # As a mission does (the test above): each FREEZE_JOBS jobs it takes, the daemon freezes
+    # the collector's view of the heap, so its queue of a million jobs is not walked by
+    # each full collection; when no mission is attached any more, it unfreezes it.
+    monkeypatch.setattr(grain, "FREEZE_JOBS", 10)  # (100,000 in real use)
+    assert gc.get_freeze_count() == 0
+    try:
+        async with trio.open_nursery() as nursery:
+            d = InProcessDaemon(nursery)
+            async with grain.open_channel(d._peer("m"), "the daemon") as ch:
+                ch.send(("mission", {"name": "m", "token": "m"}))
+                assert (await ch.receive())[0] == "attached"
+                ch.send(("fn", b"digest", grain.dumps_job_value(abs, ""), "f"))
+                for ref in range(9):
+                    ch.send(("job", ref, Cores(1), b"digest", grain.NO_ARGS_PAYLOAD))
+                while d.daemon.scheduler.n_queued < 9:   # (no worker: they wait)
+                    await trio.sleep(0.1)
+                assert gc.get_freeze_count() == 0        # a small queue changes nothing
+                for ref in range(9, 25):
+                    ch.send(("job", ref, Cores(1), b"digest", grain.NO_ARGS_PAYLOAD))
+                while d.daemon.scheduler.n_queued < 25:
+                    await trio.sleep(0.1)
+                frozen = gc.get_freeze_count()
+            while d.daemon.missions:                     # the mission leaves...
+                await trio.sleep(0.1)
+            assert frozen > 25 and gc.get_freeze_count() == 0  # ...and they are walked again
+            nursery.cancel_scope.cancel()
+    finally:
+        gc.unfreeze()
+
+
 async def _two_missions_on_one_core(b_prioritized):
     """Mission a's three jobs, then (once its first started) b's three, on one core, each
     job 10 s: when each started, and whose it was."""

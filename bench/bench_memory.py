@@ -2,7 +2,7 @@
 has no worker yet, so none can run; the growth of this process's RSS divided by N. Prints
 bytes/job on the last line.
 
-    python bench/bench_memory.py [--impl grainpy|upstream|dask] [N] [--stall]
+    python bench/bench_memory.py [--impl grainpy|upstream|dask] [N] [--stall [--daemon]]
 
 grainpy: GrainExecutor listening on an Edge file (so each job is also serialized for a
 remote worker, as in real use), exer.submit(). upstream: its GrainExecutor (pure-Python head
@@ -13,7 +13,9 @@ scheduler (also in this process).
 --stall (grain.py): instead, the mission submits the N jobs in chunks of 1,000, letting
 the event loop run between chunks (as a mission that awaits anything does), while a task
 that asks to wake every 10 ms notes how late it wakes; the last line is "max stall X ms"
-(the event loop's longest pause, the chunks' own submitting included), and "p99 Y ms"."""
+(the event loop's longest pause, the chunks' own submitting included), and "p99 Y ms".
+With --daemon, the queue is a head daemon's (in this process, its loop the one watched):
+a mission at the other end of a memory stream sends it the N jobs, in writes of 1,000."""
 import gc
 import os
 import tempfile
@@ -26,6 +28,9 @@ IMPL, ARGS = parse_impl()
 STALL = "--stall" in ARGS
 if STALL:
     ARGS.remove("--stall")
+DAEMON = "--daemon" in ARGS
+if DAEMON:
+    ARGS.remove("--daemon")
 N = int(ARGS[0]) if ARGS else 100_000
 
 
@@ -58,8 +63,9 @@ async def fill_queue(submit):
     os._exit(0)
 
 
-async def stalls(submit):
-    """Submit N jobs in chunks while a watchdog measures the event loop's pauses."""
+async def stalls(submit, after_chunk=None):
+    """Submit N jobs in chunks while a watchdog measures the event loop's pauses
+    (``after_chunk``: awaited after each chunk, instead of a bare checkpoint)."""
     import trio
     lags, done = [], False
 
@@ -75,7 +81,7 @@ async def stalls(submit):
         for i in range(0, N, 1000):
             for _ in range(min(1000, N - i)):
                 submit()
-            await trio.sleep(0)
+            await (after_chunk() if after_chunk else trio.sleep(0))
         await trio.sleep(0.5)  # (what the head does with them after)
         done = True
     lags.sort()
@@ -90,7 +96,25 @@ def grainpy():
     import grain
     from grain.resource import Cores
 
+    async def daemon_stalls():
+        """The head daemon's loop while a mission queues N jobs there (no worker)."""
+        daemon = grain.HeadDaemon("tcp://127.0.0.1:0", os.urandom(32))
+        async with trio.open_nursery() as nursery:
+            daemon.start(nursery, daemon._push_held)
+            head_side, mission_side = trio.testing.memory_stream_pair()
+            nursery.start_soon(daemon.service.handle_connection, head_side, "mission")
+            async with grain.open_channel(mission_side, "the daemon") as ch:
+                ch.send(("mission", {"name": "bench", "token": "bench"}))
+                await ch.receive()  # attached
+                ch.send(("fn", b"digest", grain.dumps_job_value(noop, ""), "noop"))
+                refs = iter(range(N))
+                await stalls(lambda: ch.send(("job", next(refs), Cores(1), b"digest",
+                                              grain.NO_ARGS_PAYLOAD)), ch.flush)
+
     async def main(edge):
+        if DAEMON:
+            import trio.testing
+            await daemon_stalls()
         async with grain.GrainExecutor(listen=f"edge://{edge}") as exer:
             if STALL:
                 await stalls(lambda: exer.submit(Cores(1), noop))
