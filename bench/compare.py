@@ -15,7 +15,8 @@ is faster), not the start of one's own work.
 Each figure is measured in rounds, and within a round every implementation runs once in
 turn (grain.py, upstream, Dask, then again), so that a slow minute of a shared machine
 falls on all of them alike; the table gives the median of the rounds. Ratios are grain.py
-divided by upstream. Progress goes to stderr, the table to stdout."""
+divided by upstream (with --vs: by the other checkout, and "paired", the median of each
+round's own ratio). Progress goes to stderr, the table to stdout."""
 import argparse
 import datetime
 import os
@@ -177,15 +178,21 @@ def compare_checkouts(opts, checkout, called=None):
         for label, _, unit, _ in figures:
             this, vs = (statistics.median(values[(label, i)]) if values[(label, i)] else None
                         for i in ("grainpy", "vs"))
+            pairs = [a / b for a, b in zip(values[(label, "grainpy")], values[(label, "vs")])
+                     if b]
             rows.append((label, fmt(this, unit), fmt(vs, unit),
                          f"{this / vs:.2f}" if this and vs else "—",
+                         f"{statistics.median(pairs):.2f}" if pairs else "—",
                          " / ".join(f"{v:g}" for v in values[(label, "grainpy")]),
                          " / ".join(f"{v:g}" for v in values[(label, "vs")])))
     print(f"{datetime.date.today()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, `python bench/compare.py --vs {opts.vs} --rounds "
-          f"{opts.rounds}`: medians, the two alternating within each round.\n")
-    print(f"| figure | this checkout | {called} | ratio | rounds (this) | rounds ({called}) |")
-    print("|---|---:|---:|---:|---|---|")
+          f"{opts.rounds}`: medians, the two alternating within each round. \"Paired\" is "
+          "the median of the rounds' own ratios: each round's two runs share the machine's "
+          "moment, so on a noisy machine it is the steadier figure.\n")
+    print(f"| figure | this checkout | {called} | ratio | paired | rounds (this) | "
+          f"rounds ({called}) |")
+    print("|---|---:|---:|---:|---:|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
