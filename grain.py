@@ -2612,6 +2612,10 @@ class Channel:
         self.stream = stream
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
+        # A plain socket's own object (trio's SocketStream keeps it): a write the kernel
+        # takes at once goes there, without trio's machinery for one that has to wait.
+        self._sock = (getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream
+                      else None)  # (not TLS's: its bytes are the SSLStream's to write)
         self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
@@ -2663,11 +2667,23 @@ class Channel:
                         write = [FRAME_HEADER.pack(len(frame)), frame]
                         if self._seal is not None:
                             write.append(self._seal.tag(write))
-                        await self.stream.send_all(b"".join(write))
+                        await self._write(b"".join(write))
         finally:
             self._writing = False
             if self._closed:
                 self._wakeup.set()  # let the writer see that the last bytes are out
+
+    async def _write(self, data):
+        if self._sock is not None:
+            try:
+                data = data[self._sock.send(data):]  # (non-blocking: what it takes now)
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise trio.BrokenResourceError(f"{e}") from None
+            if not data:
+                return
+        await self.stream.send_all(data)
 
     @property
     def buffered(self):

@@ -1218,6 +1218,29 @@ async def test_a_write_that_would_exceed_the_largest_frame_goes_in_several():
 
 
 @trio_test
+async def test_a_write_the_socket_cannot_take_at_once_goes_whole_when_it_can():
+    # A Channel on a socket writes to the socket itself what the kernel takes at once, and
+    # leaves the rest to trio, which waits until the socket can take it: 8 MB (more than
+    # a socket's buffers) arrive whole and in order, with what was queued after them.
+    key = os.urandom(32)
+    left, right = (trio.SocketStream(s) for s in trio.socket.socketpair())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(grain.authenticate, left, key, True)
+        nursery.start_soon(grain.authenticate, right, key, False)
+    a, b = grain.Channel(left, peer="left"), grain.Channel(right, peer="right")
+    assert a._sock is not None  # (the socket's own object: the direct path is taken)
+    big = ("done", 1, True, os.urandom(8 << 20), 0.5)
+    async with trio.open_nursery() as nursery:
+        a.send(big)
+        a.send(("ping",))
+        nursery.start_soon(a.flush)  # (it waits for b to read)
+        assert await b.receive() == big
+        assert await b.receive() == ("ping",)
+    await a.aclose()
+    await b.aclose()
+
+
+@trio_test
 async def test_the_protocol_over_memory_streams(autojump_clock):
     key = os.urandom(32)
     left, right = trio.testing.memory_stream_pair()
