@@ -2103,6 +2103,16 @@ def dumps_control(msg):
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _frames_of(msgs, most):
+    """The frame payloads that carry ``msgs``: one pickle of them all, or, when that is
+    larger than a frame may be (large payloads), of each half in turn."""
+    data = dumps_control(msgs)
+    if len(data) > most and len(msgs) > 1:
+        half = len(msgs) // 2
+        return _frames_of(msgs[:half], most) + _frames_of(msgs[half:], most)
+    return [data]
+
+
 # Every message: its fields (``[x]`` may be left out, ``*x`` takes any number) and who
 # sends it to whom. A message is the tuple ``(name, *fields)``.
 MESSAGES = {
@@ -2175,8 +2185,7 @@ class FrameStream:
     async def send(self, payload):
         await self.send_stream.send_all(encode_frame(payload))
 
-    async def receive(self):
-        """The next frame; ``None`` at a clean EOF; FrameError on a truncated one."""
+    async def receive(self):  # (None at a clean EOF; FrameError on a truncated one)
         while not self._ready:
             data = await self.receive_stream.receive_some(1 << 16)
             if not data:
@@ -2317,9 +2326,8 @@ def _peer_name(stream):
         addr = stream.socket.getpeername()
     except (AttributeError, OSError):
         return "?"
-    if isinstance(addr, tuple):
-        return f"{addr[0]}:{addr[1]}"
-    return f"unix:{addr}" if addr else "a local Unix socket"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else (
+        f"unix:{addr}" if addr else "a local Unix socket")
 
 
 class EdgeFile:
@@ -2595,16 +2603,6 @@ async def _wait_to_be_called(edge, seen, key):
                               if not (isinstance(d, dict) and d.get("did") == did)]
 
 
-def _frames_of(msgs, most):
-    """The frames that carry ``msgs``: one pickle of them all, or, when that is larger than
-    a frame may be (large payloads), of each half in turn."""
-    data = dumps_control(msgs)
-    if len(data) > most and len(msgs) > 1:
-        half = len(msgs) // 2
-        return _frames_of(msgs[:half], most) + _frames_of(msgs[half:], most)
-    return [data]
-
-
 class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
@@ -2612,10 +2610,9 @@ class Channel:
         self.stream = stream
         self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
-        # A plain socket's own object (trio's SocketStream keeps it): a write the kernel
-        # takes at once goes there, without trio's machinery for one that has to wait.
-        self._sock = (getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream
-                      else None)  # (not TLS's: its bytes are the SSLStream's to write)
+        # A plain socket's own object (not under TLS, whose bytes are the SSLStream's): see _write
+        self._sock = getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream \
+            else None
         self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
@@ -2629,8 +2626,7 @@ class Channel:
         self.silent = False           # set when the watchdog gave up on the peer
 
     def send(self, msg):
-        """Queue a control message; the writer task sends it with whatever else is queued.
-        (It is pickled then: what it holds must not change until it has gone out.)"""
+        """Queue a message (left unchanged: it is pickled as the writer sends it, batched)."""
         if not self._closed:
             self._out.append(msg)
             self._wakeup.set()
@@ -2660,9 +2656,7 @@ class Channel:
         try:
             while self._out:
                 out, self._out = self._out, []
-                for i in range(0, len(out), WRITE_MESSAGES):
-                    # (a write, and a tag, a frame: a receiver holds no more than a frame's
-                    # worth of bytes untagged)
+                for i in range(0, len(out), WRITE_MESSAGES):  # (a tag a frame: see Seal)
                     for frame in _frames_of(out[i:i + WRITE_MESSAGES], self._max_frame):
                         write = [FRAME_HEADER.pack(len(frame)), frame]
                         if self._seal is not None:
@@ -2674,16 +2668,16 @@ class Channel:
                 self._wakeup.set()  # let the writer see that the last bytes are out
 
     async def _write(self, data):
+        """To the socket itself what the kernel takes at once; the rest to trio's send_all."""
         if self._sock is not None:
             try:
-                data = data[self._sock.send(data):]  # (non-blocking: what it takes now)
+                data = data[self._sock.send(data):]  # (non-blocking)
             except BlockingIOError:
                 pass
             except OSError as e:
                 raise trio.BrokenResourceError(f"{e}") from None
-            if not data:
-                return
-        await self.stream.send_all(data)
+        if data:
+            await self.stream.send_all(data)
 
     @property
     def buffered(self):
@@ -2692,8 +2686,7 @@ class Channel:
 
     @property
     def flush_due(self):
-        """Is output queued while no input waits to be read? (Then nothing that input
-        could add is to go out with it: send it now.)"""
+        """Is output queued, and no input waiting that could add to it? Then send it now."""
         return bool(self._out) and not self.buffered
 
     async def receive(self):
@@ -2712,10 +2705,7 @@ class Channel:
                     msgs = pickle.loads(frame)
                 except Exception as e:  # authenticated, yet undecodable: drop this peer only
                     raise PeerError(f"undecodable message from {self.peer}: {e}") from None
-                if type(msgs) is list:
-                    self._checked.extend(msgs)
-                else:
-                    self._checked.append(msgs)
+                self._checked.extend(msgs if type(msgs) is list else (msgs,))
         return self._checked.popleft()
 
     def close_after_flush(self):
@@ -2735,9 +2725,8 @@ async def _send_heartbeats(channel):
 
 
 async def _watch_silence(channel, scope):
-    """Cancel ``scope`` once the peer has sent nothing for ``channel.silent_after`` seconds
-    (None: it may be silent), marking the channel ``silent``. (One task per connection,
-    rather than a cancel scope around every receive: the per-message path stays short.)"""
+    """Cancel ``scope`` (marking the channel ``silent``) once the peer has sent nothing for
+    ``channel.silent_after`` seconds (None: no limit): one task, not a scope a receive."""
     while True:
         limit = channel.silent_after
         quiet = trio.current_time() - channel.last_heard
