@@ -2620,7 +2620,7 @@ class Channel:
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
-        self._clock = trio.lowlevel.current_clock().current_time  # (read once a message)
+        self._clock = trio.lowlevel.current_clock().current_time  # (read once a frame)
         self.last_heard = self._clock()
         self.silent_after = silent_after  # seconds of silence open_channel's watchdog allows
         self.silent = False           # set when the watchdog gave up on the peer
