@@ -27,6 +27,13 @@ For each W and kind it measures:
   ls          wall time of `python grain.py ls` and `ls --json` against that head with W
               workers (the median of 3; a Python start included).
 Progress goes to stderr; a line per configuration, then one summary line, to stdout.
+With --floor, a third kind runs first: the floor, what trio alone costs a remote job at
+each W. Its head is a process that does a job's input and output and nothing else: for
+each job it writes a 64-byte frame to a connection with a free core (8 at first, each
+connection's in one write, as the head starts a worker's jobs) and reads it back, and it
+sends as many new ones as came back in one write. Its workers echo what they read. No
+pickling, sealing, scheduling or futures: the head's CPU a job there is the least a trio
+head can spend, the rate's fall from 16 to 1,000 connections trio's own.
 With --profile, the head is run under cProfile (the own head's during the N jobs, the
 daemon's whole life) and its 25 costliest functions go to stderr.
 
@@ -34,6 +41,7 @@ Targets (the last line shows which are met): registered <= 10 s and rss <= 200 M
 1,000 workers; the 1,000-worker rate within 10 % of the 16-worker one; <= 20 us of head
 CPU a job; ls <= 1 s. The machine's second core runs the simulated workers: their CPU
 a job is shown too, to tell who limits the rate."""
+import contextlib
 import json
 import os
 import resource
@@ -77,11 +85,14 @@ WORKERS = option("--workers", [16, 1000], lambda v: [int(x) for x in v.split(","
 N = option("--jobs", 20_000, int)
 ONLY = option("--only", None)
 PROFILE = flag("--profile")
+FLOOR = flag("--floor")
+FLOOR_FRAME = 64   # bytes of a floor job, both ways
 CORES = 8          # of each simulated worker
 WARMUP = 200       # jobs before the timed N
 LS_RUNS = 3
-if ONLY not in (None, "own", "daemon"):
-    sys.exit(f"--only takes own or daemon, got {ONLY!r}")
+if ONLY not in (None, "own", "daemon", "floor"):
+    sys.exit(f"--only takes own, daemon or floor, got {ONLY!r}")
+FLOOR = FLOOR or ONLY == "floor"
 if ARGS and ROLE is None:
     sys.exit(f"unexpected arguments {ARGS}; see the usage in {__file__}")
 
@@ -191,6 +202,54 @@ async def daemon_mission(url, n, key_path):
         say(wall=time.perf_counter() - t0)
 
 
+async def floor_head(workers, n):
+    """The floor (see the module): W connections, N jobs of bare I/O, timed when told."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    conns, joined, go = [], trio.Event(), trio.Event()
+    left = n  # jobs not sent yet
+    finished = trio.Event()
+    done = 0
+
+    async def serve(stream):
+        nonlocal left, done
+        conns.append(stream)
+        if len(conns) == workers:
+            joined.set()
+        await go.wait()
+        first = min(CORES, left)
+        left -= first
+        pending = first * FLOOR_FRAME  # bytes of jobs out
+        await stream.send_all(b"j" * pending)
+        while pending:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            pending -= len(data)
+            back = len(data) // FLOOR_FRAME  # (the echo comes back whole: 64 divides it)
+            done += back
+            more = min(back, left)
+            left -= more
+            if more:
+                pending += more * FLOOR_FRAME
+                await stream.send_all(b"j" * (more * FLOOR_FRAME))
+        if done == n:
+            finished.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        say(url=f"127.0.0.1:{listeners[0].socket.getsockname()[1]}", pid=os.getpid())
+        await joined.wait()
+        say(registered=time.monotonic(), workers=len(conns))
+        await hear()
+        say(start=True)
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        go.set()
+        await finished.wait()
+        say(wall=time.perf_counter() - t0, cpu=cpu_seconds() - cpu0,
+            rss_after=vm_rss(os.getpid()))
+        nursery.cancel_scope.cancel()
+
+
 ###############################################################################
 # The simulated workers
 
@@ -275,6 +334,17 @@ class Swarm:
                     # "fn" (nothing is run: not kept), "ping", "cancel" (done already)
             finally:
                 self.runs.append(runs)
+
+
+async def echo_worker(address, connected):
+    """A floor's worker: what it reads, it writes back."""
+    host, _, port = address.rpartition(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    connected()
+    async with stream:
+        with contextlib.suppress(trio.BrokenResourceError):
+            while data := await stream.receive_some(65536):
+                await stream.send_all(data)
 
 
 ###############################################################################
@@ -392,6 +462,40 @@ async def bench_own(workers, home, key_path, key):
     return fig
 
 
+async def bench_floor(workers, home, key_path, key):
+    fig = {"kind": "floor", "W": workers}
+    async with trio.open_nursery() as nursery:
+        proc = await trio.lowlevel.open_process(
+            child_argv("floor", "--workers", str(workers)), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, cwd=home, env=child_env(home))
+        try:
+            lines = Lines(proc.stdout)
+            hello = await lines.next()
+            progress(f"floor head pid {hello['pid']} at {hello['url']}; {workers} echoing "
+                     "workers join")
+            t0, joined = time.monotonic(), []
+            for _ in range(workers):
+                nursery.start_soon(echo_worker, hello["url"], lambda: joined.append(1))
+            await lines.next()
+            fig["registered"], fig["rss"] = time.monotonic() - t0, vm_rss(hello["pid"])
+            await proc.stdin.send_all(b"go\n")
+            await lines.next()  # start
+            sim0 = cpu_seconds()
+            done = await lines.next()
+            fig.update(rate=N / done["wall"], cpu_us=done["cpu"] / N * 1e6,
+                       sim_us=(cpu_seconds() - sim0) / N * 1e6, wall=done["wall"])
+            progress(f"  {N} jobs in {done['wall']:.2f} s: {fig['rate']:,.0f} tasks/s; head "
+                     f"CPU {fig['cpu_us']:.1f} us/job; echoing workers' CPU "
+                     f"{fig['sim_us']:.1f} us/job")
+            await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+        nursery.cancel_scope.cancel()
+    return fig
+
+
 async def bench_daemon(workers, home, key_path, key):
     fig = {"kind": "daemon", "W": workers}
     port = _peers.free_port()
@@ -479,17 +583,23 @@ def check_swarm(swarm, workers):
 
 
 def line(fig):
+    ls = "" if fig["kind"] == "floor" else (
+        f", ls {fig['ls']:.2f} s, ls --json {fig['ls_json']:.2f} s")
     return (f"{fig['kind']} W={fig['W']}: registered {fig['registered']:.2f} s, rss "
             f"{fig['rss'] / 1e6:.0f} MB, {fig['rate']:,.0f} tasks/s, head cpu "
-            f"{fig['cpu_us']:.1f} us/job (workers' {fig['sim_us']:.1f}), ls "
-            f"{fig['ls']:.2f} s, ls --json {fig['ls_json']:.2f} s")
+            f"{fig['cpu_us']:.1f} us/job (workers' {fig['sim_us']:.1f}){ls}")
 
 
 def summary(figs):
     parts = []
-    for kind in ("own", "daemon"):
+    for kind in ("floor", "own", "daemon"):
         mine = {f["W"]: f for f in figs if f["kind"] == kind}
         if not mine:
+            continue
+        if kind == "floor":
+            parts.append("floor (trio's bare I/O): " + ", ".join(
+                f"W={w} {f['rate']:,.0f} tasks/s, head cpu {f['cpu_us']:.0f} us/job"
+                for w, f in sorted(mine.items())))
             continue
         big = mine[max(mine)]
         small = mine[min(mine)] if len(mine) > 1 else None
@@ -509,15 +619,16 @@ def summary(figs):
 
 async def driver():
     raise_fd_limit(max(4096, 3 * max(WORKERS) + 256))
-    kinds = [k for k in ("own", "daemon") if ONLY in (None, k)]
+    kinds = [k for k in ("floor", "own", "daemon")
+             if ONLY == k or ONLY is None and (k != "floor" or FLOOR)]
     figs = []
     with tempfile.TemporaryDirectory(prefix="grain-swarm-") as home:
         key_path = os.path.join(home, "key")
         key = grain.load_auth_key(key_path)  # (made here, mode 0600: this run's alone)
         for kind in kinds:
             for workers in WORKERS:
-                fig = await (bench_own if kind == "own" else bench_daemon)(
-                    workers, home, key_path, key)
+                bench = {"floor": bench_floor, "own": bench_own, "daemon": bench_daemon}
+                fig = await bench[kind](workers, home, key_path, key)
                 figs.append(fig)
                 print(line(fig), flush=True)
     print(f"swarm of simulated workers ({CORES} cores each), {N} no-op Cores(1) jobs; "
@@ -527,7 +638,9 @@ async def driver():
 
 def main():
     raise_fd_limit(max(4096, 3 * max(WORKERS) + 256))
-    if ROLE == "own":  # --workers W KEY
+    if ROLE == "floor":  # --workers W
+        trio.run(floor_head, WORKERS[0], N)
+    elif ROLE == "own":  # --workers W KEY
         trio.run(own_mission, WORKERS[0], N, ARGS[0])
     elif ROLE == "mission":  # URL KEY
         trio.run(daemon_mission, ARGS[0], N, ARGS[1])
