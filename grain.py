@@ -2617,6 +2617,7 @@ class Channel:
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
+        self.reader_flushes = False  # (see receive_all: then send need not wake the writer)
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
@@ -2629,7 +2630,8 @@ class Channel:
         """Queue a message (left unchanged: it is pickled as the writer sends it, batched)."""
         if not self._closed:
             self._out.append(msg)
-            self._wakeup.set()
+            if not self.reader_flushes:
+                self._wakeup.set()
 
     async def run_writer(self):
         """Send what ``send`` queued whenever no one else is sending it already."""
@@ -5819,16 +5821,25 @@ async def receive_all(channel, handlers, after_batch=None):
     """Dispatch every message of ``channel`` to ``handlers`` until the peer closes it.
     Before waiting for more, call ``after_batch()`` (when given: a pump, once for a batch
     of results, not once a result), then send what the handlers queued: the jobs a batch
-    of results let start go out in one write."""
-    while True:
-        if after_batch is not None and not channel.buffered:
-            after_batch()
-        if channel.flush_due:
-            await channel.flush()
-        msg = await channel.receive()
-        if msg is None:
-            return
-        dispatch(handlers, msg, channel.peer)
+    of results let start go out in one write. Meanwhile what they queue on ``channel``
+    does not wake its writer: with many workers, a job each, that wake was a task switch
+    a job for nothing."""
+    try:
+        while True:
+            if after_batch is not None and not channel.buffered:
+                after_batch()
+            if channel.flush_due:
+                await channel.flush()
+            channel.reader_flushes = False
+            msg = await channel.receive()
+            if msg is None:
+                return
+            channel.reader_flushes = True
+            dispatch(handlers, msg, channel.peer)
+    finally:
+        channel.reader_flushes = False
+        if channel._out:
+            channel._wakeup.set()
 
 
 def _adopt(job, w, alloc):
