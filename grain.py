@@ -1361,8 +1361,7 @@ class _GroupTimes:
     A WTime provider keeps one; the workers of an executor share theirs."""
 
     def __init__(self):
-        self.samples = {}
-        self.limits = {}   # group -> (T, softT)
+        self.samples, self.limits = {}, {}  # limits: group -> (T, softT)
 
     def record(self, group, seconds):
         if seconds <= GROUP_MIN_RUN_S or group in self.limits:
@@ -1400,8 +1399,7 @@ class WTime(Resource):
             raise ValueError(f"WTime(group) must be a string, got {group!r}")
         if countdown and self.T is None:
             raise ValueError("WTime(countdown=True) needs T, the time the provider has")
-        self.group = group
-        self.countdown = bool(countdown)
+        self.group, self.countdown = group, bool(countdown)
         # When the countdown started (a provider), or the timed run of a group (an
         # allocation of a group request whose limits are not known yet).
         self._since = _timestamp() if countdown else None
@@ -1681,8 +1679,7 @@ class Tally:
 
     def __init__(self):
         self.counts = {"done": 0, "failed": 0, "retried": 0}
-        self.failed_by_class = {}
-        self.retried_by_class = {}
+        self.failed_by_class, self.retried_by_class = {}, {}
 
     def ended(self, state, kind=None):
         """Count a job that ended ``state`` ("done" or "failed", of class ``kind``)."""
@@ -2165,12 +2162,10 @@ def dispatch(handlers, msg, peer="a peer"):
 # Transports ##################################################################
 ###############################################################################
 # URLs name where to meet: ``tcp://host:port`` (``tcp://:port`` to listen on every
-# interface), ``unix:///path`` and ``edge:///abs/path/file``. serve(url, key, handler)
-# and connect(url, key) do the same for each scheme -- a peer that passed the handshake,
-# as a trio stream -- so no caller branches on the scheme. The Edge protocol lets a head
-# and its workers find each other through a file on the shared filesystem, whichever
-# starts first (see EdgeFile). A Channel speaks messages over a stream, coalescing its
-# writes; open_channel() runs one for a block, with its writer, heartbeats and watchdog.
+# interface), ``unix:///path`` and ``edge:///abs/path/file``; serve(url, key, handler) and
+# connect(url, key) give, alike for each scheme, a peer that passed the handshake as a trio
+# stream. Through an Edge file on the shared filesystem a head and its workers find each
+# other, whichever starts first. A Channel speaks messages over a stream, coalescing writes.
 
 
 class FrameStream:
@@ -2187,8 +2182,7 @@ class FrameStream:
 
     async def receive(self):  # (None at a clean EOF; FrameError on a truncated one)
         while not self._ready:
-            data = await self.receive_stream.receive_some(1 << 16)
-            if not data:
+            if not (data := await self.receive_stream.receive_some(1 << 16)):
                 if self._decoder.pending:
                     raise FrameError(f"stream ended inside a frame "
                                      f"({self._decoder.pending} bytes pending)")
@@ -2199,8 +2193,7 @@ class FrameStream:
 
 def parse_url(url):
     """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
-    m = re.match(r"^([a-z]+)://(.*)$", url or "")
-    if not m:
+    if not (m := re.match(r"^([a-z]+)://(.*)$", url or "")):
         raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
                          "unix:///path, edge:///abs/path or bridge://LABEL@HOST:PORT")
     scheme, rest = m.groups()
@@ -2247,10 +2240,8 @@ async def open_listeners(url):
         if scheme == "tcp":
             listeners = await trio.open_tcp_listeners(where, host=host or "0.0.0.0")
             port = listeners[0].socket.getsockname()[1]
-            if host and host != "0.0.0.0":
-                return listeners, {"tcp": f"tcp://{host}:{port}"}
-            return listeners, {iface: f"tcp://{ip}:{port}"
-                               for iface, ip in _ipv4_addresses().items()}
+            ips = {"tcp": host} if host and host != "0.0.0.0" else _ipv4_addresses()
+            return listeners, {iface: f"tcp://{ip}:{port}" for iface, ip in ips.items()}
         if scheme == "unix":
             return [await _unix_listener(where)], {"unix": url}
     except OSError as e:
@@ -2285,17 +2276,15 @@ async def _receive_exactly(stream, n, during="during the handshake",
                            error=AuthenticationError):
     buf = bytearray()
     while len(buf) < n:
-        data = await stream.receive_some(n - len(buf))
-        if not data:
+        if not (data := await stream.receive_some(n - len(buf))):
             raise error(f"the peer closed the connection {during}")
         buf += data
     return bytes(buf)
 
 
 async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
-    """The fresh ``stream``, once the handshake passed on it (AuthenticationError if not),
-    and under TLS first when ``key.tls`` and it is TCP; it carries its Seal
-    (``stream.seal``) to the Channel that speaks over it."""
+    """The fresh ``stream`` once the handshake passed on it (AuthenticationError if not), under
+    TLS first when ``key.tls`` and it is TCP; its Seal (``stream.seal``) goes to its Channel."""
     hs = Handshake(key, dialer)
     with trio.move_on_after(timeout) as scope:
         if getattr(key, "tls", None) and getattr(stream, "socket", None) is not None \
@@ -2311,8 +2300,7 @@ async def authenticate(stream, key, dialer, timeout=HANDSHAKE_TIMEOUT_S):
                     setattr(tls, name, getattr(stream, name))
             stream = tls
         await stream.send_all(hs.hello())
-        peer_hello = await _receive_exactly(stream, Handshake.HELLO_SIZE)
-        await stream.send_all(hs.proof(peer_hello))
+        await stream.send_all(hs.proof(await _receive_exactly(stream, Handshake.HELLO_SIZE)))
         stream.seal = hs.verify(await _receive_exactly(stream, AUTH_PROOF))
     if scope.cancelled_caught:
         raise AuthenticationError(f"no handshake within {timeout:g} s")
@@ -2331,12 +2319,10 @@ def _peer_name(stream):
 
 
 class EdgeFile:
-    """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``,
-    mode 0600, changed only under edit_locked().
-
-    The listener (a head) records ``host``, ``lid``, ``pid``, ``heartbeat`` (Unix time,
-    refreshed every EDGE_HEARTBEAT_S) and ``urls`` ({interface: url}); a dialer (a worker)
-    that finds no live listener records where it listens and waits to be called."""
+    """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``, mode
+    0600, changed only under edit_locked(). The listener (a head) records ``host``, ``lid``,
+    ``pid``, ``heartbeat`` (Unix time, refreshed every EDGE_HEARTBEAT_S) and ``urls``
+    ({interface: url}); a dialer (a worker) that finds no live listener, where it listens."""
 
     def __init__(self, path):
         self.path = os.path.abspath(path)
@@ -2386,9 +2372,8 @@ def _order_urls(record):
 
 
 async def _edge_listeners(edge_path, tag):
-    """Where one side of an Edge rendezvous listens: a free TCP port and a Unix socket
-    beside the file (``tag`` names it; in /tmp when that path is too long for a socket);
-    ``(listeners, {interface: url}, socket path)``."""
+    """``(listeners, {interface: url}, socket path)`` of one side of an Edge rendezvous: a free
+    TCP port and a Unix socket beside the file (``tag`` names it; in /tmp if that is too long)."""
     sock_path = f"{edge_path}.{tag}.sock"
     if len(sock_path.encode()) > 100:
         import tempfile
@@ -2435,28 +2420,24 @@ async def _admitted(stream, key):
 
 
 async def accept_one(listeners, key):
-    """The first incoming stream on ``listeners`` that passes the handshake (we listen).
-
-    Not trio.serve_listeners: it closes each stream when its handler returns, and this
-    stream must outlive the accept loop."""
+    """The first incoming stream on ``listeners`` that passes the handshake (we listen). Not
+    trio.serve_listeners: it closes each stream when its handler returns, and this stream
+    must outlive the accept loop."""
     send, receive = trio.open_memory_channel(1)
 
     async def accept_from(listener):
         while True:
-            stream = await _admitted(await listener.accept(), key)
-            if stream is not None:
+            if (stream := await _admitted(await listener.accept(), key)) is not None:
                 try:
                     send.send_nowait(stream)
                 except trio.WouldBlock:
                     await stream.aclose()
 
     try:
-        async with open_strict_nursery() as nursery:
+        async with open_background_nursery() as nursery:
             for listener in listeners:
                 nursery.start_soon(accept_from, listener)
-            stream = await receive.receive()
-            nursery.cancel_scope.cancel()
-        return stream
+            return await receive.receive()
     finally:
         with trio.CancelScope(shield=True):  # closed even when the wait was cancelled
             for listener in listeners:
@@ -2475,8 +2456,7 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
     Edge file, once its record is written (a live head's record there is a GrainError)."""
     async def on_accept(stream):
         peer = _peer_name(stream)  # (now: it may hang up later)
-        stream = await _admitted(stream, key)
-        if stream is not None:
+        if (stream := await _admitted(stream, key)) is not None:
             await handler(stream, peer)
 
     scheme, _, where = parse_url(url)
@@ -2495,8 +2475,7 @@ async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
 
 
 async def _serve_edge(path, key, on_accept, handler, task_status):
-    """serve() for an Edge file: listen on a free TCP port and a Unix socket beside the
-    file, keep our record in it fresh, and call the workers waiting in it."""
+    """serve() for an Edge file: keep our record in it fresh; call the workers waiting in it."""
     edge = EdgeFile(path)
     lid = os.urandom(8).hex()
     listeners, urls, sock_path = await _edge_listeners(path, f"head-{lid}")
@@ -2514,9 +2493,8 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
         try:
             stream = await _try_connect(_order_urls(dialer), key)
         except Unreachable as e:
-            log.warning("could not reach the waiting worker at %s (%s); it will retry",
-                        ", ".join(_order_urls(dialer)) or "(no address)", e)
-            return
+            return log.warning("could not reach the waiting worker at %s (%s); it will retry",
+                               ", ".join(_order_urls(dialer)) or "(no address)", e)
         async with stream:
             await handler(stream, _order_urls(dialer)[0])
 
@@ -2551,9 +2529,8 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
 
 
 async def connect(url, key, *, wait=False):
-    """An authenticated stream to the listener at ``url`` (we dial); Unreachable if none
-    answers. For an Edge file, the listener it records; with ``wait``, while it records
-    none that answers, record where we listen and wait to be called."""
+    """An authenticated stream to the listener at ``url``, or the one an Edge file records (we
+    dial); Unreachable if none answers, unless ``wait``: then wait to be called meanwhile."""
     scheme, _, where = parse_url(url)
     if scheme in MORE_SCHEMES:
         return await MORE_SCHEMES[scheme][1](url, key, wait)
@@ -2575,8 +2552,7 @@ async def connect(url, key, *, wait=False):
         elif record:
             log.warning("Edge file %s holds a stale head record (pid %s on %s); waiting for "
                         "a live head", where, record.get("pid"), record.get("host"))
-        stream = await _wait_to_be_called(edge, record, key)
-        if stream is not None:
+        if (stream := await _wait_to_be_called(edge, record, key)) is not None:
             return stream
 
 
@@ -2607,13 +2583,12 @@ class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
     def __init__(self, stream, max_frame=MAX_FRAME, peer="?", silent_after=None):
-        self.stream = stream
-        self.peer = peer
+        self.stream, self.peer = stream, peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
+        self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
         # A plain socket's own object (not under TLS, whose bytes are the SSLStream's): see _write
         self._sock = getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream \
             else None
-        self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
@@ -2727,8 +2702,7 @@ async def _send_heartbeats(channel):
 
 
 async def _watch_silence(channel, scope):
-    """Cancel ``scope`` (marking the channel ``silent``) once the peer has sent nothing for
-    ``channel.silent_after`` seconds (None: no limit): one task, not a scope a receive."""
+    """open_channel's watchdog: cancels ``scope`` (see there); one task, not a scope a receive."""
     while True:
         limit = channel.silent_after
         quiet = trio.current_time() - channel.last_heard
@@ -2940,9 +2914,8 @@ async def _serve_bridge(url, key, on_accept, task_status):
         try:
             stream = await _meet(host, port, label, options, worker)
         except (OSError, PeerError, trio.BrokenResourceError) as e:
-            log.warning("no path to the worker at %s through the bridge %s:%d: %s",
-                        worker[0], host, port, e)
-            return
+            return log.warning("no path to the worker at %s through the bridge %s:%d: %s",
+                               worker[0], host, port, e)
         async with stream:
             await on_accept(stream)
 
@@ -2975,11 +2948,10 @@ async def _connect_bridge(url, key, wait):
             with trio.fail_after(math.inf if wait else CLI_TIMEOUT_S):
                 stream = await _meet(host, port, label, options)
                 try:
-                    stream = await authenticate(stream, key, dialer=True)
+                    return await authenticate(stream, key, dialer=True)
                 except BaseException:
                     await trio.aclose_forcefully(stream)
                     raise
-            return stream
         except trio.TooSlowError:
             raise Unreachable(f"no head answered through the bridge {host}:{port} within "
                               f"{CLI_TIMEOUT_S:g} s") from None
@@ -3182,17 +3154,14 @@ async def _drain(stream, keep, forward=None):
     """Read ``stream`` to its end into ``keep`` (a bytearray), passing it on to ``forward``
     (a text stream) as it comes; then ``keep`` holds only its last STDERR_TAIL bytes."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a character
-    while True:                                                      # split between reads)
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            if forward is not None:
-                forward.write(decoder.decode(b"", final=True))  # (a cut-off last character)
-            return
+    while chunk := await stream.receive_some(65536):                 # split between reads)
         keep += chunk
         if forward is not None:
             del keep[:-STDERR_TAIL]  # (forwarded: only its end is kept)
             forward.write(decoder.decode(chunk))
             forward.flush()
+    if forward is not None:
+        forward.write(decoder.decode(b"", final=True))  # (a cut-off last character)
 
 
 async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, check=True,
@@ -3277,8 +3246,7 @@ def _subproc_child_main(result_fd):
         raise too_slow("the job ran past its walltime T")
 
     signal.signal(signal.SIGALRM, on_alarm)
-    init = read_frame()
-    if init is None:
+    if (init := read_frame()) is None:
         return 0
     sys.path[:] = pickle.loads(init)
     environ = dict(os.environ)
@@ -3286,10 +3254,7 @@ def _subproc_child_main(result_fd):
     # scripts written for it read GVAR.res without importing it. A function of the script
     # comes here by value with only the globals it found there: a builtin is seen by all.
     builtins.GVAR = GVAR
-    while True:
-        frame = read_frame()
-        if frame is None:
-            return 0
+    while (frame := read_frame()) is not None:
         try:
             fn, args, kwargs, res, instance, cores, timeout = dill.loads(frame)
             _RES.set(res)
@@ -3314,6 +3279,7 @@ def _subproc_child_main(result_fd):
             payload = pickled_failure(e, traceback.format_exc(),
                                       lambda v: dill.dumps((False, v)), dill.loads)
         out.write(encode_frame(payload))
+    return 0
 
 
 async def _stop_process(process, grace=KILL_GRACE_S):
@@ -3925,6 +3891,12 @@ def _pbs_task(job, i):
     return job.replace("[]", f"[{i}]")  # qsub said 123[].server: its task 4 is 123[4].server
 
 
+def _pbs_states(*flags):
+    """The states of SYSTEMS' PBS entries: ``qstat [flags] -f ids``."""
+    return lambda ids, c: _ask(["qstat", *flags, "-f", *ids], ids, _pbs_listed, _pbs_gone,
+                               _PBS_WORDS, lambda i: i.split(".")[0])
+
+
 # The batch systems, every command and format each needs, as data:
 #   directive, lines: the script's directives (see directives()); prologue;
 #   submit(settings): the command (stdin: it reads the script from its stdin, not a path);
@@ -3966,14 +3938,10 @@ SYSTEMS = {
               "hint": "is this a Slurm login node? If not, set system in grain.toml"},
     "pbs": dict(_PBS, lines=["-N {name}", "-q {queue}", "-l nodes={nodes}", "-l ngpus={gpus}",
                              "-l walltime={hms}", "-l vmem={mb}mb", "-j oe", "-o {log}"],
-                states=lambda ids, c: _ask(["qstat", "-f", *ids], ids, _pbs_listed,
-                                           _pbs_gone, _PBS_WORDS, lambda i: i.split(".")[0]),
-                array=("-t 1-{n}", _pbs_task, "PBS_ARRAYID")),
+                states=_pbs_states(), array=("-t 1-{n}", _pbs_task, "PBS_ARRAYID")),
     "pbspro": dict(_PBS, lines=["-N {name}", "-q {queue}", "-l select={select}",  # (not
                                 "-l walltime={hms}", "-j oe", "-o {log}"],  # Torque's nodes=)
-                   states=lambda ids, c: _ask(["qstat", "-x", "-f", *ids], ids, _pbs_listed,
-                                              _pbs_gone, _PBS_WORDS, lambda i: i.split(".")[0]),
-                   array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
+                   states=_pbs_states("-x"), array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
     "sge": {"directive": "#$", "prologue": "",  # (h_vmem: a slot's; -S: not its csh)
             "lines": ["-N {name}", "-S {shell}", "-cwd", "-q {queue}", "-pe {pe} {cores}",
                       "-binding linear:{cores}",  # its own cores: a cpuset, not all
@@ -4082,18 +4050,15 @@ def worker_resources(s):
     walltime minus LEAVE_BEFORE_S as a countdown, each only if the script asks for it
     (else the worker offers what it finds), merged with ``worker.res``."""
     res = {}
-    if s.script.cores:
+    if s.script.cores and "Node" not in s.res:  # (upstream's Node: Cores and Memory in one)
         res["Cores"] = {"N": s.script.cores}
     if s.script.gpus:  # the worker takes them from those the batch system shows it
         res["Gpus"] = {"N": s.script.gpus}
-    if s.script.memory:
+    if s.script.memory and "Node" not in s.res:
         res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
     if s.script.walltime:
         left = max(60, parse_walltime(s.script.walltime) - LEAVE_BEFORE_S)
         res["WTime"] = {"T": format_walltime(left), "countdown": True}
-    if "Node" in s.res:  # upstream's form: Cores and Memory in one
-        res.pop("Cores", None)
-        res.pop("Memory", None)
     res.update(s.res)
     return res
 
@@ -4136,7 +4101,7 @@ def worker_command(s, grain_path=None):
         if path:
             argv += [flag, os.path.abspath(path)]
     argv += ["--reattach", f"{s.reattach:g}s"]
-    line = " ".join(shlex.quote(a) for a in argv)
+    line = shlex.join(argv)
     return _in_container(s, [argv[1], *argv[argv.index("--url") + 1:]], line) if s.wrap \
         else line
 
@@ -4169,8 +4134,7 @@ def _in_container(s, args, line):
         return f"{s.wrap} {line}"
     cores = (' --cpuset-cpus="$(sed -n "s/^Cpus_allowed_list:\\s*//p" /proc/self/status)"'
              if engine in ("podman", "docker") else "")
-    return " ".join(shlex.quote(a) for a in wrap[:2] + flags) + cores + " " + " ".join(
-        shlex.quote(a) for a in wrap[2:]) + " " + line
+    return shlex.join(wrap[:2] + flags) + cores + " " + shlex.join(wrap[2:]) + " " + line
 
 
 def _template_fields(s, name, log_file, setup, cleanup):
@@ -4837,7 +4801,6 @@ class ResultStore:
             self._db.execute(_STORE_TABLE)
 
     def _take_hold(self):
-        me = {"host": hostname(), "pid": os.getpid(), "since": time.time()}
         for _ in range(2):
             try:
                 fd = os.open(self.holder, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -4850,7 +4813,7 @@ class ResultStore:
                     f"cannot create files in {os.path.dirname(self.path)} ({e.strerror})"
                 raise GrainError(f"results store {self.path}: {why}") from None
             with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+                json.dump({"host": hostname(), "pid": os.getpid(), "since": time.time()}, f)
             return
         raise GrainError(f"results store {self.path}: cannot take it")
 
@@ -5150,8 +5113,7 @@ class Worker:
     via = None        # met through a bridge: how ("relayed through bridge HOST:PORT")
 
     def __init__(self, owner, res, name):
-        self.owner = owner
-        self.name = name
+        self.owner, self.name = owner, name
         self.offered = res             # as the worker offered it, for messages
         if _part(res, "WTime") is None:  # no time limit: it runs timed jobs too
             res = res & WTime()
@@ -5207,9 +5169,7 @@ class LocalWorker(Worker):
 
     def __init__(self, owner, res, name, nursery, context=None, output=None, in_order=False):
         super().__init__(owner, _local_provider(res), name)
-        self._nursery = nursery
-        self.context = context
-        self.output = output
+        self._nursery, self.context, self.output = nursery, context, output
         self._in_order = deque() if in_order else None
         self._tasks = TaskPool(nursery, self._run)
 
@@ -5282,16 +5242,15 @@ class RemoteWorker(Worker):
         return digest
 
     def start(self, job):
+        self.jobs[job.wire] = job
         alloc = self.orphans.pop(job.wire, None) if self.orphans else None
         if alloc is not None:  # it runs here already: this worker came back with it
             self.res.dealloc(job.alloc)  # (as before its launch: it stays in queues' maybe)
             self.running -= 1
             job.alloc = alloc
             self.owner.reunion.adopted(job.wire)
-            self.jobs[job.wire] = job
             return
         digest = self._send_function(job.fn)
-        self.jobs[job.wire] = job
         self.channel.send(("run", job.wire, digest, job.payload, job.alloc, job.T))
         if type(job.wire) is str:  # a job that may outlive this head: say it runs
             self.owner.job_sent(job)
@@ -5386,10 +5345,9 @@ class JobQueue:
 
     def __init__(self, name, prioritized=False):
         self.jobs = deque()
-        self.name = name
-        self.prioritized = prioritized
-        self.blocked_job = None      # the head job while it fits no worker, and since when
-        self.blocked_since = 0.0
+        self.name, self.prioritized = name, prioritized
+        # the head job while it fits no worker, and since when
+        self.blocked_job, self.blocked_since = None, 0.0
         self.warned_at = -math.inf
         self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
         self.run = 0                 # jobs right behind the first known to ask the same
@@ -5424,9 +5382,7 @@ def _size_key(res):
 def _same_request(a, b):
     """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
     it for many queued jobs."""
-    if type(a) is not type(b):
-        return False
-    return a is b or (a.N == b.N if type(a) is Cores else a == b)
+    return type(a) is type(b) and (a is b or (a.N == b.N if type(a) is Cores else a == b))
 
 
 SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
@@ -5465,8 +5421,7 @@ class Scheduler:
 
     # -- workers and queues -------------------------------------------------------
     def add_worker(self, w):
-        for provider in (w.res, w.total):
-            wt = _part(provider, "WTime")
+        for wt in (_part(w.res, "WTime"), _part(w.total, "WTime")):
             if wt is not None:
                 wt._groups = self.group_times
         self.workers.append(w)
@@ -5608,8 +5563,7 @@ class Scheduler:
                 if queue.blocked_job is not job:
                     if queue.reserved is not None:
                         queue.unreserve()
-                    queue.blocked_job = job
-                    queue.blocked_since = now
+                    queue.blocked_job, queue.blocked_since = job, now
                 else:
                     self._reserve_if_starving(queue, job)
                 if len(jobs) > queue.run + 1:
@@ -5658,9 +5612,8 @@ class Scheduler:
         """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
         once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
         w = queue.reserved
-        if w is not None and w.reserved_for is job and w.accepting and w in self.workers:
-            return
-        if self.clock() - queue.blocked_since < RESERVE_AFTER_S:
+        if (w is not None and w.reserved_for is job and w.accepting and w in self.workers) or \
+                self.clock() - queue.blocked_since < RESERVE_AFTER_S:  # held already, or not yet
             return
         queue.reserved = None
         could = [w for w in self.workers
@@ -6090,11 +6043,9 @@ class HeadService:
 
     def __init__(self, owner, listen, key, *, max_frame=MAX_FRAME, job_book=None,
                  commands=None, specialized=True):
-        self.owner = owner
-        self.listen, self.key, self.max_frame = listen, key, max_frame
-        self.job_book = job_book
+        self.owner, self.listen, self.key, self.max_frame = owner, listen, key, max_frame
+        self.job_book, self.specialized = job_book, specialized
         self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
-        self.specialized = specialized
         self.urls = {}                # where it listens: {interface: url}
         self.joined_job_ids = set()   # batch job ids of every worker that ever registered
 
@@ -6860,8 +6811,7 @@ class GrainExecutor(HeadCore):
         self._all_done = None
         self._froze = False  # whether it froze the collector's view of the heap (_track)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
-        self._nursery = self._zero_worker = self._sync_jobs = None
-        self.elapsed = None
+        self._nursery = self._zero_worker = self._sync_jobs = self.elapsed = None
 
     workers = property(lambda self: self.scheduler.workers)
     group_times = property(lambda self: self.scheduler.group_times)
@@ -7228,13 +7178,11 @@ async def open_waitgroup():
     async with open_strict_nursery() as nursery:
         wg = WaitGroup(exer, nursery)
         yield wg
-    errors = []
     jobs = [item for item in wg._items if isinstance(item, Job)]
     for job in jobs:
         await job.wait_done()
         job.observed = True
-        if job.error is not None:
-            errors.append(job.error)
+    errors = [job.error for job in jobs if job.error is not None]
     if errors:
         raise ExceptionGroup(f"{len(errors)} of {len(jobs)} job(s) in the waitgroup failed",
                              errors)
@@ -8147,14 +8095,13 @@ class SwarmKeeper:
     never turn into a flood of jobs."""
 
     def __init__(self, settings, target, quota, window):
-        self.settings = settings     # worker RoleSettings: how to submit
-        self.target = target
-        self.quota_setting = quota
-        self.window = window
+        # settings: the worker RoleSettings, how to submit
+        self.settings, self.target = settings, target
+        self.quota_setting, self.window = quota, window
         self.submitted = deque()     # times of recent submissions (trio's clock)
         self.pending = {}            # batch job id -> submission time, until it joins or ends
         self.note = ""               # why it is not at target, for `ls`
-        self.changed = None          # set to look again at once (a worker left, `scale`)
+        self.changed = trio.Event()  # set to look again at once (a worker left, `scale`)
         self.warn = log.warning      # (the daemon's: its missions hear it too)
 
     @property
@@ -8243,13 +8190,11 @@ class HeadDaemon(HeadCore):
                                    commands={"stats": self._stats, "stop": self._stop,
                                              "scale": self._scale}, specialized=False)
         self.missions = []
-        self.mission_socket = mission_socket
-        self.idle_quit = idle_quit
+        self.mission_socket, self.idle_quit = mission_socket, idle_quit
+        self.log_file, self.max_missions = log_file, max_missions
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
         if swarm is not None:
             swarm.warn = self.warn_all
-        self.log_file = log_file
-        self.max_missions = max_missions
         self.stopped = trio.Event()
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
@@ -8285,7 +8230,7 @@ class HeadDaemon(HeadCore):
 
     def remove_worker(self, worker):
         super().remove_worker(worker)
-        if self.swarm is not None and self.swarm.changed is not None:
+        if self.swarm is not None:
             self.swarm.changed.set()
 
     def _joined(self):
@@ -8356,9 +8301,7 @@ class HeadDaemon(HeadCore):
         if fn is None or not isinstance(req, Resource) or not req._parts():
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
-        job.ref = ref
-        job.wire = f"{m.token}/{ref}"
-        job.payload = payload
+        job.ref, job.wire, job.payload = ref, f"{m.token}/{ref}", payload
         if not job.id % FREEZE_JOBS:  # (as a mission does: see GrainExecutor._track)
             gc.freeze()
         if not (resumed and self.reunion.offer(job, hold=True)):
@@ -8421,8 +8364,7 @@ class HeadDaemon(HeadCore):
             raise ValueError("this head has no batch system to submit workers to: set system "
                              "= \"slurm\", \"pbs\" or \"custom\" in its grain.toml")
         self.swarm.target = n
-        if self.swarm.changed is not None:
-            self.swarm.changed.set()
+        self.swarm.changed.set()
         return {"done": [f"swarm target: {n} worker(s)" if n else "autoscaling is off"]}
 
 
@@ -8431,10 +8373,9 @@ async def head_main(s, worker, key, idle_quit=None):
     swarm = SwarmKeeper(worker, s.swarm, s.swarm_quota, s.swarm_window) if worker.system else None
     daemon = HeadDaemon(
         s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
-        mission_socket=mission_socket_path(s.listen),
+        mission_socket=mission_socket_path(s.listen), swarm=swarm, max_missions=s.max_missions,
         job_book=(worker.system, JobBook(worker.dial), worker.custom_system)
-        if worker.system else None, swarm=swarm, log_file=os.environ.get("GRAIN_HEAD_LOG", ""),
-        max_missions=s.max_missions)
+        if worker.system else None, log_file=os.environ.get("GRAIN_HEAD_LOG", ""))
     if s.daemon_extra_args:
         log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
                     "of upstream's Go daemon", " ".join(s.daemon_extra_args))
@@ -8483,10 +8424,9 @@ def python_supports(requires, target):
         op, ver, star = m.groups()
         want = _version_key(ver)
         have = target + (0,) * max(0, len(want) - 2) if not star else target[:len(want)]
-        ok = {">=": have >= want, ">": have > want, "<=": have <= want, "<": have < want,
-              "==": have == want, "!=": have != want,
-              "~=": have >= want and have[:len(want) - 1] == want[:len(want) - 1]}[op]
-        if not ok:
+        if not {">=": have >= want, ">": have > want, "<=": have <= want, "<": have < want,
+                "==": have == want, "!=": have != want,
+                "~=": have >= want and have[:len(want) - 1] == want[:len(want) - 1]}[op]:
             return False
     return True
 
@@ -8495,10 +8435,9 @@ def _bundle_file(path):
     """Should a package file go into the bundle? Code and data yes; tests, caches, type
     stubs and metadata no."""
     parts = path.split("/")
-    if any(p.endswith((".dist-info", ".data")) or p in ("__pycache__", "_tests", "tests")
-           for p in parts):
-        return False
-    return not path.endswith((".pyc", ".pyi", "py.typed")) and bool(parts[0])
+    return bool(parts[0]) and not path.endswith((".pyc", ".pyi", "py.typed")) and not any(
+        p.endswith((".dist-info", ".data")) or p in ("__pycache__", "_tests", "tests")
+        for p in parts)
 
 
 def _wheel_contents(path):
@@ -8518,14 +8457,13 @@ def _wheel_contents(path):
 def _from_wheels(directory, names, target):
     """Pick, for each package, the newest wheel in ``directory`` that supports ``target``."""
     found = {}
-    for fn in sorted(os.listdir(directory)):
-        if fn.endswith(".whl"):
-            name, version, requires, files = _wheel_contents(os.path.join(directory, fn))
-            if not python_supports(requires, target):
-                continue
-            old = found.get(_norm(name))
-            if old is None or _version_key(version) > _version_key(old[0]):
-                found[_norm(name)] = (version, files)
+    for fn in sorted(fn for fn in os.listdir(directory) if fn.endswith(".whl")):
+        name, version, requires, files = _wheel_contents(os.path.join(directory, fn))
+        if not python_supports(requires, target):
+            continue
+        old = found.get(_norm(name))
+        if old is None or _version_key(version) > _version_key(old[0]):
+            found[_norm(name)] = (version, files)
     for name in names:
         if _norm(name) not in found:
             raise GrainError(f"no wheel of {name} supporting Python "
@@ -8721,10 +8659,9 @@ def format_ls(stats):
     lines += [f"  {line}" for line in format_waiting(stats.get("waiting", ()), blocked=True)]
     if "missions" in stats:
         lines += ["", f"missions: {len(stats['missions'])} attached"]
-        for m in stats["missions"]:
-            first = " (prioritized)" if m["prioritized"] else ""
-            lines.append(f"  {m['name']} on {m['host']}{first}: {m['queued']} queued, "
-                         f"{m['running']} running, {m['done']} done, {m['failed']} failed")
+        lines += [f"  {m['name']} on {m['host']}{' (prioritized)' if m['prioritized'] else ''}: "
+                  f"{m['queued']} queued, {m['running']} running, {m['done']} done, "
+                  f"{m['failed']} failed" for m in stats["missions"]]
     sw = stats.get("swarm")
     if sw is not None and not sw["target"] and not sw["pending"]:
         lines.append("swarm: autoscaling is off (`grain.py scale N` turns it on)")
@@ -8811,11 +8748,10 @@ _COMMAND_LINE = [
     ("scale", "keep N workers submitted (0: autoscaling off)", _AT_HEAD, [
         (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
     ("up", "submit worker jobs to the batch system (other arguments go to its submit "
-           "command: sbatch, qsub, bsub, flux batch)",
-     ("config", "dry"), [(("-n",), dict(type=int, default=1, metavar="N", help="how many "
-                                         "(default 1)")),
-                         (("--array",), dict(action="store_true", help="as one array job "
-                                             "(as script.array = true)"))]),
+           "command: sbatch, qsub, bsub, flux batch)", ("config", "dry"), [
+        (("-n",), dict(type=int, default=1, metavar="N", help="how many (default 1)")),
+        (("--array",), dict(action="store_true", help="as one array job (as "
+                            "script.array = true)"))]),
     ("down", "cancel every worker or head job grain submitted", ("config",), []),
     ("pack", "build grain.pyz: grain.py with trio and dill inside, for machines without pip",
      (), [(("-o", "--output"), dict(default="grain.pyz", metavar="FILE")),
@@ -8858,10 +8794,8 @@ def _cmd_worker(args):
         except ValueError as e:
             raise UsageError(f"--res: {e}") from None
     url = args.url or default_address()
-    if args.listen:
-        parse_url(args.listen)
-    else:
-        parse_url(url)
+    parse_url(args.listen or url)
+    if not args.listen:
         worker_provider(res, args.oversubscribe)  # refuse impossible resources up front
     if args.max_frame < 1024:
         raise UsageError(f"--max-frame must be at least 1024 bytes, got {args.max_frame}")
@@ -8895,19 +8829,17 @@ def _cli_target(args):
     """The _CliTarget of ls, explain, quit, stop and scale."""
     config = load_config(args.config)
     s = config.role("worker")
-    if args.address:
-        origin = "given with -a"
-    else:   # the first of these that is set decides, as in RoleSettings
-        origin = next((f"{name} in {config.path}" for attr, name, default in (
+    # without -a, the first of these that is set decides, as in RoleSettings
+    origin = "given with -a" if args.address else next((
+        f"{name} in {config.path}" for attr, name, default in (
             ("cli_dial", "worker.cli_dial", s.dial), ("dial", "worker.dial", s.address),
             ("address", "address", default_address())) if getattr(s, attr) != default),
-            "the default Edge file")
-    key_path = args.key or s.auth_key
+        "the default Edge file")
+    key_path, address = args.key or s.auth_key, args.address or s.cli_dial
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
-        return _CliTarget(s, args.address or s.cli_dial, None, f"{origin}; no key file at "
-                          f"{key_path} either: a head makes its key when it starts")
-    return _CliTarget(s, args.address or s.cli_dial,
-                      load_auth_key(key_path, s.tls_cert, s.tls_key), origin)
+        return _CliTarget(s, address, None, f"{origin}; no key file at {key_path} either: a "
+                          "head makes its key when it starts")
+    return _CliTarget(s, address, load_auth_key(key_path, s.tls_cert, s.tls_key), origin)
 
 
 def submitted_jobs(book, s, joined):
@@ -8924,9 +8856,7 @@ def submitted_jobs(book, s, joined):
 
 def format_jobs(records):
     """Lines about submitted batch jobs whose worker has not joined (submitted_jobs)."""
-    if not records:
-        return []
-    lines = ["", "submitted, not joined:"]
+    lines = ["", "submitted, not joined:"] if records else []
     for r in records:
         said = {UNKNOWN: "state unknown (the batch system did not answer)",
                 ENDED: f"ENDED WITHOUT ITS WORKER EVER JOINING; the end of its log {r['log']}:"}
@@ -9003,11 +8933,9 @@ def _cmd_ls(args):
             text, trouble = _ls_frame(target, args.json)
             if trouble and not args.json:
                 text = f"{text}\n{trouble}".lstrip("\n")
-            stamp = time.strftime("%H:%M:%S")
-            sys.stdout.write(f"{redraw}{text}\n" if args.json else
-                             f"{redraw}{target.address} at {stamp} (every {args.watch:g} "
-                             f"s; Ctrl-C ends)\n{text}\n{'' if redraw else chr(10)}")
-            sys.stdout.flush()
+            print(f"{redraw}{text}\n" if args.json else f"{redraw}{target.address} at "
+                  f"{time.strftime('%H:%M:%S')} (every {args.watch:g} s; Ctrl-C ends)\n"
+                  f"{text}\n{'' if redraw else chr(10)}", end="", flush=True)
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
