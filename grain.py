@@ -2176,13 +2176,14 @@ class FrameStream:
         self.receive_stream = receive_stream if receive_stream is not None else send_stream
         self._decoder = FrameDecoder(max_frame)
         self._ready = deque()
+        self.receive_some = self.receive_stream.receive_some  # (a Channel may read directly)
 
     async def send(self, payload):
         await self.send_stream.send_all(encode_frame(payload))
 
     async def receive(self):  # (None at a clean EOF; FrameError on a truncated one)
         while not self._ready:
-            if not (data := await self.receive_stream.receive_some(1 << 16)):
+            if not (data := await self.receive_some(1 << 16)):
                 if self._decoder.pending:
                     raise FrameError(f"stream ended inside a frame "
                                      f"({self._decoder.pending} bytes pending)")
@@ -2586,9 +2587,11 @@ class Channel:
         self.stream, self.peer = stream, peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
-        # A plain socket's own object (not under TLS, whose bytes are the SSLStream's): see _write
+        # A plain socket's own object, read and written directly (not TLS's): see _read, _write
         self._sock = getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream \
             else None
+        if self._sock is not None:
+            self._frames.receive_some = self._read
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
@@ -2655,6 +2658,24 @@ class Channel:
                 raise trio.BrokenResourceError(f"{e}") from None
         if data:
             await self.stream.send_all(data)
+
+    async def _read(self, most):
+        """A plain socket's next bytes, as trio's receive_some reads them (a cancellation
+        seen before, a yield after) without its three context managers: with many
+        workers, a read a job."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            try:
+                data = self._sock.recv(most)
+            except BlockingIOError:
+                while True:
+                    await trio.lowlevel.wait_readable(self._sock)
+                    with contextlib.suppress(BlockingIOError):
+                        return self._sock.recv(most)
+        except OSError as e:
+            raise trio.BrokenResourceError(f"{e}") from None
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return data
 
     @property
     def buffered(self):
