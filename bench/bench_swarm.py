@@ -23,7 +23,8 @@ For each W and kind it measures:
   tasks/s     N no-op Cores(1) jobs (default 20,000; after 200 to warm up) through the W
               workers, submitted at once and all awaited;
   cpu/job     user+sys CPU of the head process during those N jobs (/proc/PID/stat),
-              over N, in microseconds (the own head's includes submitting the jobs);
+              over N, in microseconds (the own head's includes submitting the jobs; for
+              the daemon, the mission's CPU a job is shown beside it);
   ls          wall time of `python grain.py ls` and `ls --json` against that head with W
               workers (the median of 3; a Python start included).
 Progress goes to stderr; a line per configuration, then one summary line, to stdout.
@@ -538,15 +539,17 @@ async def bench_daemon(workers, home, key_path, key):
             lines = Lines(mission.stdout)
             await lines.next()  # attached, warmed up
             cpu0, sim0 = cpu_seconds(daemon.pid), cpu_seconds()
+            mission0 = cpu_seconds(mission.pid)
             await mission.stdin.send_all(b"go\n")
             done = await lines.next()
             cpu, sim = cpu_seconds(daemon.pid) - cpu0, cpu_seconds() - sim0
             fig.update(rate=N / done["wall"], cpu_us=cpu / N * 1e6, sim_us=sim / N * 1e6,
+                       mission_us=(cpu_seconds(mission.pid) - mission0) / N * 1e6,
                        wall=done["wall"], rss_after=vm_rss(daemon.pid))
             progress(f"  {N} jobs in {done['wall']:.2f} s: {fig['rate']:,.0f} tasks/s; head "
                      f"CPU {fig['cpu_us']:.1f} us/job; simulated workers' CPU "
-                     f"{fig['sim_us']:.1f} us/job; head RSS after "
-                     f"{fig['rss_after'] / 1e6:.0f} MB")
+                     f"{fig['sim_us']:.1f} us/job; the mission's {fig['mission_us']:.1f} "
+                     f"us/job; head RSS after {fig['rss_after'] / 1e6:.0f} MB")
             with trio.move_on_after(30):
                 await mission.wait()
             daemon.send_signal(signal.SIGTERM)  # FIN to its workers
@@ -587,7 +590,8 @@ def line(fig):
         f", ls {fig['ls']:.2f} s, ls --json {fig['ls_json']:.2f} s")
     return (f"{fig['kind']} W={fig['W']}: registered {fig['registered']:.2f} s, rss "
             f"{fig['rss'] / 1e6:.0f} MB, {fig['rate']:,.0f} tasks/s, head cpu "
-            f"{fig['cpu_us']:.1f} us/job (workers' {fig['sim_us']:.1f}){ls}")
+            f"{fig['cpu_us']:.1f} us/job (workers' {fig['sim_us']:.1f}"
+            + (f", mission's {fig['mission_us']:.1f}" if "mission_us" in fig else "") + f"){ls}")
 
 
 def summary(figs):
