@@ -4657,36 +4657,46 @@ _CORES_KEYS = {}  # N -> the request part of the key of Cores(N), the common req
 
 
 def _request_key(req):
-    common = type(req) is Cores and req._ids is None
-    key = _CORES_KEYS.get(req.N) if common else None
-    if key is None:
-        key = repr([(k, v._args()) for k, v in sorted(req._parts().items())
-                    if k != "WTime"]).encode()
-        if common:
-            _CORES_KEYS[req.N] = key
-    return key
+    key = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
+    if type(req) is Cores and req._ids is None:  # (the common request: its key kept)
+        _CORES_KEYS[req.N] = key.encode()
+    return key.encode()
+
+
+def key_material(fn_digest, args, kwargs, req):
+    """What the store key of a job digests: its function's digest, its arguments pickled
+    the same way in every run, and its request (but for WTime: time limits do not change
+    what a job computes). TypeError when its arguments cannot be pickled. (Keys must not
+    change between versions: a store's entries would no longer be found.)"""
+    try:
+        for value in args if not kwargs else (kwargs,):  # (a loop costs less than a map)
+            if type(value) not in _PLAIN:
+                # The standard pickler's bytes, which are the set-sorting pickler's unless
+                # they hold a set (EMPTY_SET or FROZENSET; whatever else holds those too)
+                data = pickle.dumps((args, dict(kwargs)), protocol=4)
+                if 0x8F in data or 0x91 in data:
+                    buf = io.BytesIO()
+                    _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
+                    data = buf.getvalue()
+                data = b"k" + data
+                break
+        else:  # plain values and no keywords: the common case, fast
+            data = b"a" + pickle.dumps(args, protocol=4)
+    except Exception as e:
+        raise TypeError(f"{e}") from None
+    key = _CORES_KEYS.get(req.N) if type(req) is Cores and req._ids is None else None
+    return fn_digest + data + (key or _request_key(req))
 
 
 def job_key(fn_digest, args, kwargs, req):
-    """The store key of a job: its function's digest, its arguments pickled the same way in
-    every run, and its request (but for WTime: time limits do not change what a job
-    computes). TypeError when its arguments cannot be pickled. (Keys must not change
-    between versions: a store's entries would no longer be found.)"""
-    try:
-        if not kwargs and _PLAIN.issuperset(map(type, args)):  # the common case, fast
-            data = b"a" + pickle.dumps(args, protocol=4)
-        else:
-            # The standard pickler's bytes, which are the set-sorting pickler's unless they
-            # hold a set (EMPTY_SET or FROZENSET; whatever else holds those bytes too)
-            data = pickle.dumps((args, dict(kwargs)), protocol=4)
-            if 0x8F in data or 0x91 in data:
-                buf = io.BytesIO()
-                _KeyPickler(buf, protocol=4).dump((args, dict(kwargs)))
-                data = buf.getvalue()
-            data = b"k" + data
-    except Exception as e:
-        raise TypeError(f"{e}") from None
-    return hashlib.sha256(fn_digest + data + _request_key(req)).hexdigest()[:40]
+    """The store key of a job (TypeError when its arguments cannot be pickled)."""
+    return hashlib.sha256(key_material(fn_digest, args, kwargs, req)).hexdigest()[:40]
+
+
+def _key_text(key):
+    """The text of a job's entry in the store, ``key#n`` (``key`` may be the pair of its
+    material and n: see MissionResults.known; the writer process has this line too)."""
+    return key if type(key) is str else f"{hashlib.sha256(key[0]).hexdigest()[:40]}#{key[1]}"
 
 
 _STORE_INSERT = ("INSERT INTO results_log VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
@@ -4700,10 +4710,12 @@ _STORE_FIELDS = 7  # the values a row is given
 # list of their fields: pickles need no frames), commits each and answers one byte; an
 # empty batch says the mission is done with it. At the end of its input (the mission
 # died) it leaves too: the batches it was sent are written. A batch cut short is not
-# written: the mission did not see it acknowledged and writes it itself. (-I: the
-# standard library only, not a module of the mission's directory.)
+# written: the mission did not see it acknowledged and writes it itself. It also turns
+# the keys a mission left as their material into text (_key_text), so that hashing them
+# never takes the event loop's time. (-I: the standard library only, not a module of the
+# mission's directory.)
 _STORE_WRITER = """
-import pickle, sqlite3, sys
+import hashlib, pickle, sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
 db.execute("PRAGMA synchronous=FULL")
 while True:
@@ -4713,6 +4725,9 @@ while True:
         break
     if not batch:
         break
+    batch[::int(sys.argv[3])] = [k if type(k) is str else
+                                 f"{hashlib.sha256(k[0]).hexdigest()[:40]}#{k[1]}"
+                                 for k in batch[::int(sys.argv[3])]]
     with db:
         db.execute("BEGIN")
         db.executemany(sys.argv[2], zip(*[iter(batch)] * int(sys.argv[3])))
@@ -4918,6 +4933,7 @@ class ResultStore:
         """Append ``rows`` (flat) in one transaction, from this process."""
         with self._lock:
             if rows and self._db is not None:
+                rows[::_STORE_FIELDS] = map(_key_text, rows[::_STORE_FIELDS])
                 with self._db:  # BEGIN ... COMMIT
                     self._db.execute("BEGIN")
                     self._db.executemany(_STORE_INSERT, zip(*[iter(rows)] * _STORE_FIELDS))
@@ -5005,6 +5021,14 @@ class ResultStore:
                        for name in names)
 
 
+class _FunctionKeys(dict):
+    """job function -> (its code digest, its name), each found once (a hit costs no call)."""
+
+    def __missing__(self, fn):
+        self[fn] = known = (code_digest(fn), _callable_name(fn))
+        return known
+
+
 class MissionResults:
     """A mission's use of its results store: it keys each job with resources (``job.wire``
     becomes ``key#n``, the n-th job of that key in this run: its key in the store and on
@@ -5014,15 +5038,9 @@ class MissionResults:
     def __init__(self, path, rerun_failed=True):
         self.store = ResultStore(path)
         self.rerun_failed = rerun_failed
-        self._functions = {}  # job function -> (its code digest, its name)
+        self._functions = _FunctionKeys()
         self._counts, self._unkeyable = {}, set()
         self._sent = {}  # wire -> function of jobs sent to a worker process since the last write
-
-    def _function(self, fn):
-        known = self._functions.get(fn)
-        if known is None:
-            known = self._functions[fn] = (code_digest(fn), _callable_name(fn))
-        return known
 
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run),
@@ -5031,7 +5049,7 @@ class MissionResults:
         no entry yet, though its worker may still run it."""
         fn = job.fn
         try:
-            key = job_key(self._function(fn)[0], job.args, job.kwargs, job.req)
+            material = key_material(self._functions[fn][0], job.args, job.kwargs, job.req)
         except TypeError as e:
             name = _callable_name(fn)
             if name not in self._unkeyable:
@@ -5041,18 +5059,24 @@ class MissionResults:
             return None
         # The n-th job of a key in a run is stored as such: a mission that draws 100
         # samples with the same call gets its 100 results back, not one of them 100 times.
-        n = self._counts[key] = self._counts.get(key, -1) + 1
-        job.wire = wire = f"{key}#{n}"
-        state = self.store.states.get(wire) if self.store.states else None
+        n = self._counts[material] = self._counts.get(material, -1) + 1
+        store = self.store
+        if not store.states and not store.crashed:  # a new store: nothing to find
+            job.wire = (material, n)  # (its text, when a worker process or the store needs it)
+            return None
+        job.wire = wire = _key_text((material, n))
+        state = store.states.get(wire)
         if state is None:  # (a new job: the common case)
-            return "running" if self.store.crashed else None
+            return "running" if store.crashed else None
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
         return state if state == "running" else None
 
     def running(self, job):
-        """Remember that ``job`` went to a worker process (it may outlive this run): it is
-        stored as "running" at the next write, unless it has ended by then."""
+        """Remember that ``job`` goes to a worker process (it may outlive this run, which
+        knows it by its key's text): it is stored as "running" at the next write, unless it
+        has ended by then."""
+        job.wire = _key_text(job.wire)
         self._sent[job.wire] = job.fn
 
     async def fetch(self, job):
@@ -5072,8 +5096,9 @@ class MissionResults:
         except TypeError as e:
             log.warning("the result of %s is not stored: %s", job.name, e)
             return
-        self._sent.pop(job.wire, None)  # (jobs in worker processes only)
-        name = self._function(job.fn)[1]
+        if self._sent:  # (jobs in worker processes only)
+            self._sent.pop(job.wire, None)
+        name = self._functions[job.fn][1]
         self.store.record(job.wire, name, "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration)
@@ -5086,7 +5111,7 @@ class MissionResults:
             await trio.sleep(STORE_FLUSH_S)
             sent, self._sent = self._sent, {}
             for wire, fn in sent.items():
-                self.store.record(wire, self._function(fn)[1], "running")
+                self.store.record(wire, self._functions[fn][1], "running")
             rows = self.store.take()
             try:
                 await self.store.send(rows)
@@ -5113,9 +5138,9 @@ class MissionResults:
 #   owner.job_cancelled(job)                                  cancelled, as asked
 #
 # and asks ``owner.function_bytes(fn)`` for a job function to send. A remote worker also
-# says ``owner.job_sent(job)`` of a job that may outlive this head (one with a string id:
-# a store key, a mission's token), and hands ``owner.reunion`` what it ran for an
-# earlier head. Worker is the interface every kind implements: LocalWorker runs jobs as
+# says ``owner.job_sent(job)``, before it sends it, of a job that may outlive this head
+# (one whose id is no number: a store key, a mission's token; the owner may give it the
+# text it is known by), and hands ``owner.reunion`` what it ran for an earlier head. Worker is the interface every kind implements: LocalWorker runs jobs as
 # tasks of this process; RemoteWorker is a worker process at the other end of a Channel;
 # SpecializedWorker runs here the jobs of a worker process that keeps a server.
 
@@ -5263,18 +5288,19 @@ class RemoteWorker(Worker):
         return digest
 
     def start(self, job):
-        self.jobs[job.wire] = job
         alloc = self.orphans.pop(job.wire, None) if self.orphans else None
         if alloc is not None:  # it runs here already: this worker came back with it
             self.res.dealloc(job.alloc)  # (as before its launch: it stays in queues' maybe)
             self.running -= 1
             job.alloc = alloc
             self.owner.reunion.adopted(job.wire)
+            self.jobs[job.wire] = job
             return
-        digest = self._send_function(job.fn)
-        self.channel.send(("run", job.wire, digest, job.payload, job.alloc, job.T))
-        if type(job.wire) is str:  # a job that may outlive this head: say it runs
-            self.owner.job_sent(job)
+        if type(job.wire) is not int:  # a job that may outlive this head: say it goes
+            self.owner.job_sent(job)   # (first: its wire may become its store key's text)
+        self.jobs[job.wire] = job
+        self.channel.send(("run", job.wire, self._send_function(job.fn), job.payload,
+                           job.alloc, job.T))
 
     def message_handlers(self):
         return dict(super().message_handlers(), done=self.on_done, cancelled=self.on_cancelled)
@@ -6984,7 +7010,7 @@ class GrainExecutor(HeadCore):
             job.error, job.state = error, "failed"
             job.kind = kind = kind or failure_class(error)
         job.ended = self.clock()
-        if self.stored is not None and job.attempts and type(job.wire) is str:
+        if self.stored is not None and job.attempts and type(job.wire) is not int:
             self.stored.record(job, value, error, kind, pickled)
         self.tally.ended(job.state, kind)
         if job._event is not None:

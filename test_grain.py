@@ -3804,12 +3804,18 @@ async def test_the_store_writer_process_writes_and_its_death_costs_no_row(tmp_pa
         await store.send(["a", "f", "done", b"1", None, None, 0.5])  # a row's fields
         with contextlib.closing(sqlite3.connect(path)) as db:  # acknowledged: in the file
             assert db.execute("SELECT key FROM results_log").fetchall() == [("a",)]
+        # a key left as its material and n (a new store's) is made text there, as here
+        await store.send([(b"what it computes", 3), "f", "done", b"1", None, None, 0.5])
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            assert db.execute("SELECT key FROM results_log WHERE rowid = 2").fetchone() == (
+                grain._key_text((b"what it computes", 3)),)
         proc.kill()
         proc.wait()
         await store.send(["b", "f", "done", b"2", None, None, 0.5])  # written from here
         assert store.writer is None
         with contextlib.closing(sqlite3.connect(path)) as db:
-            assert [k for (k,) in db.execute("SELECT key FROM results_log")] == ["a", "b"]
+            assert [k for (k,) in db.execute("SELECT key FROM results_log")] == \
+                ["a", grain._key_text((b"what it computes", 3)), "b"]
     finally:
         store.close()
 
@@ -3926,6 +3932,11 @@ def test_repeated_identical_calls_keep_their_own_results(tmp_path):
     options = dict(local=Cores(2), config_file=False, results=str(tmp_path / "r.db"))
     first = run(main, **options)
     assert len(set(first)) == 5          # five samples, not one five times
+    # a new store's keys are made text in its writer process: the text a rerun looks for
+    with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as db:
+        keys = sorted(key for (key,) in db.execute("SELECT key FROM results_log"))
+    key = grain.job_key(grain.code_digest(draw), (), {}, Cores(1))
+    assert keys == [f"{key}#{n}" for n in range(5)]
     assert run(main, **options) == first  # and the same five, in order, from the store
 
 
