@@ -125,7 +125,7 @@ import threading
 import time
 import traceback
 import types
-from collections import Counter, deque, namedtuple
+from collections import Counter, OrderedDict, deque, namedtuple
 from dataclasses import dataclass, field, fields, replace
 
 _missing = [name for name in ("trio", "dill") if importlib.util.find_spec(name) is None]
@@ -5641,7 +5641,9 @@ class Scheduler:
         those found without it leave maybe."""
         if job.group is not None or not _same_request(req, queue.fits):  # all again
             queue.fits = req if job.group is None else None  # (a group's T changes)
-            queue.maybe = dict.fromkeys(self.workers)
+            # (ordered by links: a plain dict keeps the slots of those that left, and a
+            # look for the first one would step over each, a thousand with 1,000 workers)
+            queue.maybe = OrderedDict.fromkeys(self.workers)
         maybe, full = queue.maybe, []
         for w in maybe:
             if w.accepting and w.res.request(req):
