@@ -4657,10 +4657,11 @@ _CORES_KEYS = {}  # N -> the request part of the key of Cores(N), the common req
 
 
 def _request_key(req):
-    key = repr([(k, v._args()) for k, v in sorted(req._parts().items()) if k != "WTime"])
+    key = repr([(k, v._args()) for k, v in sorted(req._parts().items())
+                if k != "WTime"]).encode()
     if type(req) is Cores and req._ids is None:  # (the common request: its key kept)
-        _CORES_KEYS[req.N] = key.encode()
-    return key.encode()
+        _CORES_KEYS[req.N] = key
+    return key
 
 
 def key_material(fn_digest, args, kwargs, req):
@@ -4669,7 +4670,8 @@ def key_material(fn_digest, args, kwargs, req):
     what a job computes). TypeError when its arguments cannot be pickled. (Keys must not
     change between versions: a store's entries would no longer be found.)"""
     try:
-        for value in args if not kwargs else (kwargs,):  # (a loop costs less than a map)
+        # (a loop costs less than a map; keywords, a dict, take the general way)
+        for value in args if not kwargs else (kwargs,):
             if type(value) not in _PLAIN:
                 # The standard pickler's bytes, which are the set-sorting pickler's unless
                 # they hold a set (EMPTY_SET or FROZENSET; whatever else holds those too)
@@ -5140,7 +5142,8 @@ class MissionResults:
 # and asks ``owner.function_bytes(fn)`` for a job function to send. A remote worker also
 # says ``owner.job_sent(job)``, before it sends it, of a job that may outlive this head
 # (one whose id is no number: a store key, a mission's token; the owner may give it the
-# text it is known by), and hands ``owner.reunion`` what it ran for an earlier head. Worker is the interface every kind implements: LocalWorker runs jobs as
+# text it is known by), and hands ``owner.reunion`` what it ran for an earlier head.
+# Worker is the interface every kind implements: LocalWorker runs jobs as
 # tasks of this process; RemoteWorker is a worker process at the other end of a Channel;
 # SpecializedWorker runs here the jobs of a worker process that keeps a server.
 
