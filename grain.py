@@ -6859,6 +6859,10 @@ class GrainExecutor(HeadCore):
         self._submit_time = BurstClock(self)
         self._last_cores = Cores(1)  # the last Cores(N) asked for (see _submit)
         self._ids = itertools.count(1)
+        # Its jobs' numbers on the wire start from a base of its own: a worker that comes
+        # back from the head before it (this mission, run again) may still run that one's
+        # numbers, which must never be taken for this one's (see Reunion)
+        self._wire_base = int.from_bytes(os.urandom(5), "big") << 24
         self._outstanding = 0
         self._all_done = None
         self._froze = False  # whether it froze the collector's view of the heap (_track)
@@ -6905,7 +6909,9 @@ class GrainExecutor(HeadCore):
         return job
 
     def _track(self, job):
-        """Count ``job`` as submitted: ``results`` and ``wait_all`` wait for it."""
+        """Count ``job`` as submitted (``results`` and ``wait_all`` wait for it); number it
+        for its workers."""
+        job.wire += self._wire_base
         job.submitted = self._submit_time()
         self._jobs.append(job)
         self._outstanding += 1

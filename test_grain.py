@@ -6240,6 +6240,34 @@ def test_a_mission_that_was_its_own_head_resumes_its_running_jobs(workers, tmp_p
     assert [w.wait(15) for w in ws] == [0, 0]                  # ... which the mission's end let go
 
 
+def test_a_mission_run_again_without_a_store_never_takes_its_last_runs_jobs_for_its_own(
+        workers, tmp_path):
+    """kill -9 of a mission that is its own head, without a store, while 8 long jobs run
+    on a worker of 12 cores; run again at once, its jobs are numbered as the last run's
+    were. The worker comes back still running those, which no new head can claim (they
+    are stopped there), with 4 cores free: the new run's jobs must run there, not be
+    taken for the old ones (the fault campaign's seed 14 hung so, until a head's
+    numbers were its own)."""
+    edge = f"edge://{tmp_path}/edge"
+    workers.start("--url", edge, "--res", '{"Cores": {"N": 12}}', "--oversubscribe", name="w")
+    options = f"local=ZERO, address={edge!r}"
+    first = _long_mission(tmp_path, options, 60)
+    try:
+        wait_for(lambda: sum(_runs(tmp_path / "runs").values()) == 8, 30, "8 jobs to run")
+        first.kill()
+        first.wait()
+        again = _long_mission(tmp_path, options, 0.2)
+        out, err = again.communicate(timeout=40)
+        assert again.returncode == 0, err
+    finally:
+        first.kill()
+        first.wait()
+    results = _json.loads(out.strip().splitlines()[-1])
+    assert [i for i, _ in results] == list(range(8))
+    assert _runs(tmp_path / "runs") == {i: 2 for i in range(8)}   # each ran again, once
+    assert err.count("came back") == 1, err
+
+
 def test_an_idle_head_daemon_quits_and_cleans_up(tmp_path, workers):
     edge = tmp_path / "edge"
     w = workers.start("--url", f"edge://{edge}", "--res", '{"Cores": {"N": 1}}', name="w")
