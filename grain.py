@@ -224,6 +224,8 @@ IDLE_TASKS = 64           # tasks a worker keeps, done with a job, to run the ne
 FREEZE_JOBS = 100_000     # each time a mission (or the head daemon) has taken this many more
                           # jobs, the cyclic collector stops walking the heap as it is then
                           # (gc.freeze), until the mission ends (the daemon: is idle)
+DAEMON_YOUNG_GC = 10_000  # the head daemon's threshold for a young collection (Python's:
+                          # 700), which walks the thousands of jobs in flight to a swarm
 GROUP_MIN_RUN_S = 10.0    # runs of a WTime group at most this long teach nothing
 GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are estimated
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
@@ -8945,6 +8947,7 @@ def _cmd_head(args):
         s, worker = replace(s, listen=args.address), replace(worker, dial=args.address)
     idle_quit = parse_duration(args.idle_quit, "--idle-quit") if args.idle_quit else None
     key = load_auth_key(args.key or s.auth_key or None, s.tls_cert, s.tls_key)
+    gc.set_threshold(DAEMON_YOUNG_GC, *gc.get_threshold()[1:])  # (its process: no user code)
     return trio_run(head_main, s, worker, key, idle_quit)
 
 
