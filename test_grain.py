@@ -6064,6 +6064,17 @@ def _long_mission(tmp_path, options, seconds):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _killed_and_run_again(first, tmp_path, options, seconds):
+    """kill -9 of the mission ``first``, then the same mission again (jobs of ``seconds``):
+    its output and errors, once it ended well."""
+    first.kill()
+    first.wait()
+    again = _long_mission(tmp_path, options, seconds)
+    out, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    return out, err
+
+
 def swarm_daemon(tmp_path, workers, template, swarm=0, quota=2):
     submissions = tmp_path / "submissions"
     (tmp_path / "submit.py").write_text(SUBMIT_LOCAL.format(submissions=str(submissions)))
@@ -6224,11 +6235,7 @@ def test_a_mission_that_was_its_own_head_resumes_its_running_jobs(workers, tmp_p
                                   ).fetchone()[0]
 
         wait_for(lambda: running_in_store() == 8, 10, "the store to say they run")
-        first.kill()
-        first.wait()
-        again = _long_mission(tmp_path, options, 8)
-        out, err = again.communicate(timeout=60)
-        assert again.returncode == 0, err
+        out, err = _killed_and_run_again(first, tmp_path, options, 8)
     finally:
         first.kill()
         first.wait()
@@ -6254,11 +6261,7 @@ def test_a_mission_run_again_without_a_store_never_takes_its_last_runs_jobs_for_
     first = _long_mission(tmp_path, options, 60)
     try:
         wait_for(lambda: sum(_runs(tmp_path / "runs").values()) == 8, 30, "8 jobs to run")
-        first.kill()
-        first.wait()
-        again = _long_mission(tmp_path, options, 0.2)
-        out, err = again.communicate(timeout=40)
-        assert again.returncode == 0, err
+        out, err = _killed_and_run_again(first, tmp_path, options, 0.2)
     finally:
         first.kill()
         first.wait()
