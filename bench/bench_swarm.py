@@ -2,12 +2,12 @@
 both kinds of head: a mission's own (GrainExecutor listening on tcp://127.0.0.1) and the
 head daemon (`grain.py head`) with a mission attached to it.
 
-    python bench/bench_swarm.py [--workers 16,1000] [--jobs N] [--only own|daemon]
-                                [--profile]
+    python bench/bench_swarm.py [--workers 16,1000] [--jobs N] [--cores C] [--rounds R]
+                                [--only own|daemon|floor] [--floor] [--profile]
 
 The workers are simulated, all in this process (trio), one task each: each has its own
 TCP connection, passes the real handshake, speaks sealed frames (grain.connect,
-grain.open_channel), registers as a worker of 8 cores and answers every "run" at once
+grain.open_channel), registers as a worker of 8 cores (--cores) and answers every "run" at once
 with a successful "done" (a pickled None), running nothing. So the head is measured, not
 the workers. The head runs in a process of its own: for "own", a mission (a child of this
 script) with GrainExecutor(listen="tcp://127.0.0.1:0"); for "daemon", `python grain.py
@@ -20,14 +20,20 @@ For each W and kind it measures:
               it is in the head's scheduler when the head's "head" message comes: the
               head sends it as it adds the worker; the own head's count agrees);
   rss         the head process's VmRSS with W registered (/proc/PID/status);
-  tasks/s     N no-op Cores(1) jobs (default 20,000; after 200 to warm up) through the W
-              workers, submitted at once and all awaited;
+  tasks/s     N no-op Cores(1) jobs (default 100,000; after 200 to warm up) through the W
+              workers, submitted at once and all awaited (the rate of the steady state:
+              in a shorter run the start, 8 jobs for each worker in one go, weighs more,
+              and with 1,000 workers 20,000 jobs gave 0.88-0.95 of the 16-worker rate
+              where 100,000 give 0.80);
   cpu/job     user+sys CPU of the head process during those N jobs (/proc/PID/stat),
               over N, in microseconds (the own head's includes submitting the jobs; for
               the daemon, the mission's CPU a job is shown beside it);
   ls          wall time of `python grain.py ls` and `ls --json` against that head with W
               workers (the median of 3; a Python start included).
-Progress goes to stderr; a line per configuration, then one summary line, to stdout.
+Each configuration (kind, W) runs in a process of its own (in one process the second ran
+slower than the first), R rounds of them alternating (--rounds, default 1); each figure
+is the median of its rounds. Progress goes to stderr; a line per configuration, then one
+summary line, to stdout.
 With --floor, a third kind runs first: the floor, what trio alone costs a remote job at
 each W. Its head is a process that does a job's input and output and nothing else: for
 each job it writes a 64-byte frame to a connection with a free core (8 at first, each
@@ -83,12 +89,13 @@ def flag(name):
 
 ROLE = option("--role", None)        # (internal: a child of this script)
 WORKERS = option("--workers", [16, 1000], lambda v: [int(x) for x in v.split(",") if x])
-N = option("--jobs", 20_000, int)
+N = option("--jobs", 100_000, int)
+ROUNDS = option("--rounds", 1, int)
 ONLY = option("--only", None)
 PROFILE = flag("--profile")
 FLOOR = flag("--floor")
 FLOOR_FRAME = 64   # bytes of a floor job, both ways
-CORES = 8          # of each simulated worker
+CORES = option("--cores", 8, int)  # of each simulated worker
 WARMUP = 200       # jobs before the timed N
 LS_RUNS = 3
 if ONLY not in (None, "own", "daemon", "floor"):
@@ -369,7 +376,7 @@ class Lines:
 
 def child_argv(role, *more):
     return [sys.executable, os.path.abspath(__file__), "--role", role, "--jobs", str(N),
-            *(["--profile"] if PROFILE else []), *more]
+            "--cores", str(CORES), *(["--profile"] if PROFILE else []), *more]
 
 
 def child_env(home):
@@ -621,20 +628,44 @@ def summary(figs):
     return "; ".join(parts)
 
 
-async def driver():
-    raise_fd_limit(max(4096, 3 * max(WORKERS) + 256))
-    kinds = [k for k in ("floor", "own", "daemon")
-             if ONLY == k or ONLY is None and (k != "floor" or FLOOR)]
-    figs = []
+async def one_configuration(kind, workers):
+    """(--role config KIND: the child that measures one configuration.) Its figures, as
+    a JSON line."""
     with tempfile.TemporaryDirectory(prefix="grain-swarm-") as home:
         key_path = os.path.join(home, "key")
         key = grain.load_auth_key(key_path)  # (made here, mode 0600: this run's alone)
+        bench = {"floor": bench_floor, "own": bench_own, "daemon": bench_daemon}[kind]
+        say(**await bench(workers, home, key_path, key))
+
+
+def median_figures(runs):
+    """One configuration's figures: the median of each over its rounds."""
+    fig = dict(runs[0])
+    for name, value in runs[0].items():
+        if isinstance(value, float) or name in ("rss", "rss_after"):
+            fig[name] = statistics.median(run[name] for run in runs)
+    return fig
+
+
+def driver():
+    kinds = [k for k in ("floor", "own", "daemon")
+             if ONLY == k or ONLY is None and (k != "floor" or FLOOR)]
+    runs = {}
+    for r in range(ROUNDS):
         for kind in kinds:
             for workers in WORKERS:
-                bench = {"floor": bench_floor, "own": bench_own, "daemon": bench_daemon}
-                fig = await bench[kind](workers, home, key_path, key)
-                figs.append(fig)
+                if ROUNDS > 1:
+                    progress(f"round {r + 1} of {ROUNDS}: {kind}, {workers} workers")
+                out = subprocess.run(child_argv("config", "--workers", str(workers), kind),
+                                     stdout=subprocess.PIPE, check=True)
+                fig = json.loads(out.stdout.splitlines()[-1])
+                runs.setdefault((kind, workers), []).append(fig)
                 print(line(fig), flush=True)
+    figs = [median_figures(r) for r in runs.values()]
+    if ROUNDS > 1:
+        print(f"medians of {ROUNDS} rounds:", flush=True)
+        for fig in figs:
+            print(line(fig), flush=True)
     print(f"swarm of simulated workers ({CORES} cores each), {N} no-op Cores(1) jobs; "
           f"{socket.gethostname()}, {os.cpu_count()} cores", file=sys.stderr)
     print(summary(figs), flush=True)
@@ -648,8 +679,10 @@ def main():
         trio.run(own_mission, WORKERS[0], N, ARGS[0])
     elif ROLE == "mission":  # URL KEY
         trio.run(daemon_mission, ARGS[0], N, ARGS[1])
+    elif ROLE == "config":  # --workers W KIND
+        trio.run(one_configuration, ARGS[0], WORKERS[0])
     else:
-        trio.run(driver)
+        driver()
 
 
 if __name__ == "__main__":
