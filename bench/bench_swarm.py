@@ -5,10 +5,10 @@ head daemon (`grain.py head`) with a mission attached to it.
     python bench/bench_swarm.py [--workers 16,1000] [--jobs N] [--cores C] [--rounds R]
                                 [--only own|daemon|floor] [--floor] [--profile]
 
-The workers are simulated, all in this process (trio), one task each: each has its own
+The workers are simulated, all in one process (trio), one task each: each has its own
 TCP connection, passes the real handshake, speaks sealed frames (grain.connect,
-grain.open_channel), registers as a worker of 8 cores (--cores) and answers every "run" at once
-with a successful "done" (a pickled None), running nothing. So the head is measured, not
+grain.open_channel), registers as a worker of 8 cores (--cores) and answers every "run"
+at once with a successful "done" (a pickled None), running nothing. So the head is measured, not
 the workers. The head runs in a process of its own: for "own", a mission (a child of this
 script) with GrainExecutor(listen="tcp://127.0.0.1:0"); for "daemon", `python grain.py
 head -a tcp://127.0.0.1:PORT --no-config` and a mission (a child of this script) attached
@@ -23,8 +23,8 @@ For each W and kind it measures:
   tasks/s     N no-op Cores(1) jobs (default 100,000; after 200 to warm up) through the W
               workers, submitted at once and all awaited (the rate of the steady state:
               in a shorter run the start, 8 jobs for each worker in one go, weighs more,
-              and with 1,000 workers 20,000 jobs gave 0.88-0.95 of the 16-worker rate
-              where 100,000 give 0.80);
+              and with 1,000 workers 20,000 jobs gave the own head 0.88-0.95 of its
+              16-worker rate where 100,000 give 0.83);
   cpu/job     user+sys CPU of the head process during those N jobs (/proc/PID/stat),
               over N, in microseconds (the own head's includes submitting the jobs; for
               the daemon, the mission's CPU a job is shown beside it);
