@@ -8,12 +8,12 @@ head daemon (`grain.py head`) with a mission attached to it.
 The workers are simulated, all in one process (trio), one task each: each has its own
 TCP connection, passes the real handshake, speaks sealed frames (grain.connect,
 grain.open_channel), registers as a worker of 8 cores (--cores) and answers every "run"
-at once with a successful "done" (a pickled None), running nothing. So the head is measured, not
-the workers. The head runs in a process of its own: for "own", a mission (a child of this
-script) with GrainExecutor(listen="tcp://127.0.0.1:0"); for "daemon", `python grain.py
-head -a tcp://127.0.0.1:PORT --no-config` and a mission (a child of this script) attached
-to it (MissionSetup(attach=...), as run() attaches). Both use a key in a temporary HOME:
-the user's own daemon and key are never touched.
+at once with a successful "done" (a pickled None), running nothing. So the head is
+measured, not the workers. The head runs in a process of its own: for "own", a mission
+(a child of this script) with GrainExecutor(listen="tcp://127.0.0.1:0"); for "daemon",
+`python grain.py head -a tcp://127.0.0.1:PORT --no-config` and a mission (a child of
+this script) attached to it (MissionSetup(attach=...), as run() attaches). Both use a
+key in a temporary HOME: the user's own daemon and key are never touched.
 
 For each W and kind it measures:
   registered  from the first worker's connect until the head has all W (a worker knows
