@@ -7134,8 +7134,9 @@ class GrainExecutor(HeadCore):
     async def _close(self):
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
-        if self._froze:  # (the next full collection walks them again)
-            gc.unfreeze()
+        if self._froze:  # (the next full collection walks them again; on Python 3.12 so
+            gc.unfreeze()  # it does what the interpreter froze at its start: no harm, it is
+            # walked as on the other Pythons, whose start freezes nothing)
 
     async def __aexit__(self, etype, exc, tb):
         try:

@@ -970,13 +970,16 @@ async def test_a_large_mission_keeps_the_collector_off_its_jobs_until_it_ends(mo
     async def job():
         pass
 
+    # Python 3.12 starts with objects of its own frozen (375 of them): counts are taken
+    # against what was frozen before the mission, not against 0.
+    before = gc.get_freeze_count()
     async with grain.GrainExecutor(rpw=Cores(1)) as exer:
         for _ in range(9):
             exer.submit(Cores(1), job)
-        assert gc.get_freeze_count() == 0  # a small mission changes nothing
+        assert gc.get_freeze_count() == before  # a small mission changes nothing
         jobs = [exer.submit(Cores(1), job) for _ in range(16)]
         frozen = gc.get_freeze_count()
-    assert frozen > 25  # the jobs, their requests, ... are out of the collector's walk
+    assert frozen > before + 25  # the jobs, their requests, ...: out of the collector's walk
     assert gc.get_freeze_count() == 0 and all(j.done() for j in jobs)  # back in, at its end
 
 
@@ -5875,7 +5878,7 @@ async def test_the_head_daemon_keeps_the_collector_off_a_large_queue_until_it_is
     # each full collection; so it does with what it holds when a mission attaches (its
     # workers); when no mission is attached any more, it unfreezes it.
     monkeypatch.setattr(grain, "FREEZE_JOBS", 10)  # (100,000 in real use)
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # (not 0 on Python 3.12: see the test above)
     try:
         async with trio.open_nursery() as nursery:
             d = InProcessDaemon(nursery)
@@ -5883,7 +5886,7 @@ async def test_the_head_daemon_keeps_the_collector_off_a_large_queue_until_it_is
                 ch.send(("mission", {"name": "m", "token": "m"}))
                 assert (await ch.receive())[0] == "attached"
                 attached = gc.get_freeze_count()
-                assert attached > 0                      # what the daemon held then
+                assert attached > before                 # what the daemon held then
                 ch.send(("fn", b"digest", grain.dumps_job_value(abs, ""), "f"))
                 for ref in range(9):
                     ch.send(("job", ref, Cores(1), b"digest", grain.NO_ARGS_PAYLOAD))
