@@ -2273,6 +2273,53 @@ async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_pa
     await _group_gone(pgid)
 
 
+async def _program_cores():
+    """The cores the job was given, and those its program may run on (as the kernel says)."""
+    import subprocess
+    from grain import GVAR, parse_ids, run_program
+    r = await run_program(["grep", "Cpus_allowed_list", "/proc/self/status"],
+                          stdout=subprocess.PIPE)
+    return list(GVAR.res.c), parse_ids(r.stdout.split()[1].decode())
+
+
+async def _start_missing(path):
+    from grain import run_program
+    await run_program([str(path), "--in", "h2o.xyz"])
+
+
+@pytest.mark.parametrize("where", ["the mission's own worker", "a worker process"])
+@trio_test
+async def test_each_program_runs_on_exactly_its_jobs_cores(workers, tmp_path, where):
+    # Programs start from a thread pinned to the job's cores (no preexec_fn, which would
+    # make CPython fork the whole process): the child must still get exactly those cores,
+    # for a job of one core, of two, and of all of them, wherever the job runs.
+    cores = sorted(os.sched_getaffinity(0))
+    local = where == "the mission's own worker"
+    async with grain.GrainExecutor(rpw=Cores(cores) if local else None,
+                                   listen=None if local else "tcp://127.0.0.1:0") as exer:
+        if not local:
+            workers.start("--url", exer.urls["tcp"], "--res",
+                          json.dumps({"Cores": {"N": len(cores)}}))
+            await exer.wait_for_workers(1)
+        for n in sorted({1, min(2, len(cores)), len(cores)}):
+            given, pinned = await exer.submit(Cores(n), _program_cores)
+            assert len(given) == n and pinned == given
+        # (the thread that starts a program gets its own cores back: it is trio's, and
+        # starts the next job's program, or an unpinned one, next)
+        after = await trio.to_thread.run_sync(
+            lambda: (grain._popen_pinned(["true"], cores[:1], {}).wait(),
+                     sorted(os.sched_getaffinity(0))))
+        assert after == (0, cores)
+        # A program that cannot start costs its job, named, not the worker.
+        script = tmp_path / "not-executable"
+        script.write_text("#!/bin/sh\n")
+        for path, error in [(tmp_path / "no-such-program", FileNotFoundError),
+                            (script, PermissionError)]:
+            with pytest.raises(error, match=re.escape(str(path))):
+                await exer.submit(Cores(1), _start_missing, path)
+        assert len((await exer.submit(Cores(1), _program_cores))[1]) == 1
+
+
 @trio_test
 async def test_a_subprocify_child_gets_the_jobs_environment():
     fn = subprocify(sp_environment)
