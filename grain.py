@@ -315,6 +315,11 @@ class Unreachable(GrainError):
     """Nobody who holds the key answers at an address."""
 
 
+class KeyMismatch(AuthenticationError, Unreachable):
+    """The peer failed the handshake holding another key: to a dialer, a head that is not
+    theirs (connect() names both key files)."""
+
+
 ###############################################################################
 # Helpers #####################################################################
 ###############################################################################
@@ -1604,9 +1609,12 @@ def interrupted(job, w, kind, why):
     return cls(f"job {job.name} was running on worker {w.name}, which {why}")
 
 
+PAST_T = "ran past its T"  # a failure class, and how the error of one starts (run_job_here)
+
+
 def failure_class(error):
     """How a job that raised ``error`` failed, for counts and messages (not retried)."""
-    return "ran past its T" if isinstance(error, trio.TooSlowError) else "raised"
+    return PAST_T if isinstance(error, trio.TooSlowError) else "raised"
 
 
 class Job:
@@ -1737,15 +1745,21 @@ NO_KWARGS = types.MappingProxyType({})
 
 async def run_job_here(fn, args, kwargs, alloc, instance, context, T):
     """Run a job's function in this task as the job: GVAR tells it its allocation, its
-    worker and its context; its T is a deadline (trio.TooSlowError). Every worker runs its
-    jobs this way (a pool process runs @subprocify's, synchronous, under SIGALRM)."""
+    worker and its context; its T is a deadline (trio.TooSlowError, saying T: the mission
+    names the job). Every worker runs its jobs this way (a pool process runs @subprocify's,
+    synchronous, under SIGALRM)."""
     _RES.set(alloc)
     _INSTANCE.set(instance)
     _CONTEXT.set(context)
     if T is None:  # (most jobs: no context manager to enter and leave)
         return await fn(*args, **kwargs)
-    with trio.fail_after(T):
-        return await fn(*args, **kwargs)
+    try:
+        with trio.fail_after(T) as scope:
+            return await fn(*args, **kwargs)
+    except trio.TooSlowError as e:
+        if scope.cancelled_caught:  # its T, not a deadline of the job's own
+            e.args = (f"{PAST_T} (WTime(T={T:g}))",)
+        raise
 NO_ARGS_PAYLOAD = b"p" + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -1855,9 +1869,9 @@ def pickle_arguments(job):
                         f"cannot be pickled{str(e)[19:]}") from None
 
 
-def unpickle_result(job, ok, data, where):
-    """``(value, error)`` from a result a worker process sent (the traceback it sent
-    becomes a note of the error)."""
+def unpickle_result(job, ok, data):
+    """``(value, error)`` from a result a worker process sent (the traceback it sent, headed
+    by its name, becomes a note of the error)."""
     try:
         value = loads_job_value(data)
         if not ok:
@@ -1869,7 +1883,7 @@ def unpickle_result(job, ok, data, where):
     if ok:
         return value, None
     if tb:
-        add_note(error, f"Traceback on worker {where}:\n{tb.rstrip()}")
+        add_note(error, tb.rstrip())
     return None, error
 
 
@@ -1974,7 +1988,7 @@ class Handshake:
     def verify(self, peer_proof):
         expected = self._mac(self.peer_role, self.nonce, self.peer_nonce)
         if not hmac.compare_digest(expected, peer_proof):
-            raise AuthenticationError("the peer does not hold the grain key")
+            raise KeyMismatch("the peer does not hold the grain key")
         return Seal(self._mac(b"seal " + self.role, self.nonce, self.peer_nonce),
                     self._mac(b"seal " + self.peer_role, self.peer_nonce, self.nonce))
 
@@ -2053,8 +2067,9 @@ def _create_key_file(path):
 
 class AuthKey(bytes):
     """The shared secret, and, when the config names a certificate, the TLS contexts
-    ``tls`` = (as the listener, as the dialer) that wrap each TCP stream (authenticate)."""
-    tls = None
+    ``tls`` = (as the listener, as the dialer) that wrap each TCP stream (authenticate), and
+    the ``path`` of its file."""
+    tls = path = None
 
 
 def _refuse_if_shared(path, mode, what):
@@ -2077,6 +2092,7 @@ def load_auth_key(path=None, tls_cert="", tls_key=""):
     with os.fdopen(fd, "rb") as f:
         _refuse_if_shared(path, os.fstat(f.fileno()).st_mode, "key file")
         key = AuthKey(f.read())
+    key.path = path
     if len(key) < 16:
         raise GrainError(f"key file {path} holds {len(key)} bytes; it needs at least 16 "
                          "(delete it and grain makes a new one)")
@@ -2324,8 +2340,9 @@ def _peer_name(stream):
 class EdgeFile:
     """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``, mode
     0600, changed only under edit_locked(). The listener (a head) records ``host``, ``lid``,
-    ``pid``, ``heartbeat`` (Unix time, refreshed every EDGE_HEARTBEAT_S) and ``urls``
-    ({interface: url}); a dialer (a worker) that finds no live listener, where it listens."""
+    ``pid``, ``heartbeat`` (Unix time, refreshed every EDGE_HEARTBEAT_S), ``urls``
+    ({interface: url}) and ``key`` (its key file, for those who hold another to be told
+    which to copy); a dialer (a worker) that finds no live listener, where it listens."""
 
     def __init__(self, path):
         self.path = os.path.abspath(path)
@@ -2387,8 +2404,10 @@ async def _edge_listeners(edge_path, tag):
     return tcp + [await _unix_listener(sock_path)], urls, sock_path
 
 
-async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
-    """The first authenticated stream among ``urls`` (we dial); Unreachable if none."""
+async def _try_connect(urls, key, head=None, theirs=None, timeout=EDGE_CONNECT_S):
+    """The first authenticated stream among ``urls`` (we dial); Unreachable if none. ``head``:
+    the URL of the head they reach (and ``theirs`` its key file), for a KeyMismatch naming
+    the key files."""
     why = "no address to try"
     for url in urls:
         if url.startswith("unix:") and not os.path.exists(parse_url(url)[2]):
@@ -2407,6 +2426,11 @@ async def _try_connect(urls, key, timeout=EDGE_CONNECT_S):
             except (AuthenticationError, OSError, trio.BrokenResourceError) as e:
                 why = f"{e}"
                 await stream.aclose()
+                if head and isinstance(e, KeyMismatch):  # it answered: so would its other URLs
+                    theirs, mine = theirs or "the head's key file", getattr(key, "path", None)
+                    raise KeyMismatch(f"the head at {head} holds another key: " + (
+                        f"copy {theirs} to {mine}" if theirs != mine else
+                        f"{mine} was made again after the head started: restart the head"))
         if attempt.cancelled_caught:
             why = f"no answer within {timeout:g} s"
     raise Unreachable(why)
@@ -2482,7 +2506,8 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
     edge = EdgeFile(path)
     lid = os.urandom(8).hex()
     listeners, urls, sock_path = await _edge_listeners(path, f"head-{lid}")
-    record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls}
+    record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls,
+              "key": getattr(key, "path", None)}
     with edge.locked() as data:
         current = data["listener"]
     silent = None  # the lid of a record that looks live but whose head does not answer
@@ -2533,22 +2558,30 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
 
 async def connect(url, key, *, wait=False):
     """An authenticated stream to the listener at ``url``, or the one an Edge file records (we
-    dial); Unreachable if none answers, unless ``wait``: then wait to be called meanwhile."""
+    dial); Unreachable if none answers, unless ``wait``: then wait to be called meanwhile (or,
+    while the live head holds another key, for it to go: said once)."""
     scheme, _, where = parse_url(url)
     if scheme in MORE_SCHEMES:
         return await MORE_SCHEMES[scheme][1](url, key, wait)
     if scheme != "edge":
-        return await _try_connect([url], key)
-    edge = EdgeFile(where)
+        return await _try_connect([url], key, url)
+    edge, other = EdgeFile(where), None  # (the lid of a live head that holds another key)
     while True:
         with edge.locked() as data:
             record = data["listener"]
+        if EdgeFile.live(record) and record.get("lid") == other:  # not ours, still there
+            await trio.sleep(EDGE_HEARTBEAT_S)
+            continue
         if EdgeFile.live(record):
             try:
-                return await _try_connect(_order_urls(record), key)
-            except Unreachable:
+                return await _try_connect(_order_urls(record), key, url, record.get("key"))
+            except Unreachable as e:
                 if not wait:
                     raise
+                if isinstance(e, KeyMismatch):
+                    log.warning("%s; waiting for a head that holds this one", e)
+                    other = record.get("lid")
+                    continue
             log.warning("the head recorded in %s does not answer; waiting for one", where)
         elif not wait:
             raise Unreachable(f"no live head is recorded in {where}")
@@ -5183,7 +5216,7 @@ class MissionResults:
 # this protocol, exactly once per job it started:
 #
 #   owner.job_ended(job, value, error, duration)              a local job ended
-#   owner.job_reported(job, ok, data, duration, kind, name)   a remote one (pickled)
+#   owner.job_reported(job, ok, data, duration, kind)         a remote one (pickled)
 #   owner.job_interrupted(job, kind, why)                     its worker went away
 #   owner.job_cancelled(job)                                  cancelled, as asked
 #
@@ -5359,7 +5392,7 @@ class RemoteWorker(Worker):
     def on_done(self, jid, ok, data, duration, kind=None):
         job = self.jobs.pop(jid, None)
         if job is not None:
-            self.owner.job_reported(job, ok, data, duration, kind, self.name)
+            self.owner.job_reported(job, ok, data, duration, kind)
         else:  # one it ran while it had no head: it may be what a job waits for
             self.release_orphan(jid)
             self.owner.reunion.worker_finished(jid, (ok, data, duration, kind), self.ours)
@@ -6074,11 +6107,11 @@ class HeadCore:
         self.settle(job, value, error)
         self.pump()
 
-    def job_reported(self, job, ok, data, duration, kind, where):
+    def job_reported(self, job, ok, data, duration, kind):
         """A remote worker's job ended: its value or exception, pickled. (Queued jobs start
         once the worker's whole batch of results is in: its serve loop pumps then.)"""
         self.scheduler.release(job, ok=ok)
-        self.deliver(job, ok, data, duration, kind, where)
+        self.deliver(job, ok, data, duration, kind)
 
     def job_interrupted(self, job, kind, why):
         """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
@@ -7047,12 +7080,12 @@ class GrainExecutor(HeadCore):
         elif self.stored is not None:
             self.stored.running(job)
 
-    def deliver(self, job, ok, data, duration, kind, where="its worker"):
+    def deliver(self, job, ok, data, duration, kind):
         job.attempts = job.attempts or 1  # (it ran, though maybe for another head)
         if job.started is None:  # (it ran for the last head, and ended while there was none)
             job.started = _now() - duration
         job.duration = duration
-        self.settle(job, *unpickle_result(job, ok, data, where), pickled=data)
+        self.settle(job, *unpickle_result(job, ok, data), pickled=data)
 
     # -- completion -----------------------------------------------------------------
     def requeue(self, job):
@@ -7066,6 +7099,8 @@ class GrainExecutor(HeadCore):
             job.value, job.state = value, "done"
         else:
             self.retries.note(job, error, kind)
+            if str(error).startswith(PAST_T):  # (said where its T passed: here is its name)
+                error.args = (f"job {job.name} {error}",)
             job.error, job.state = error, "failed"
             job.kind = kind = kind or failure_class(error)
         job.ended = self.clock()
@@ -8016,7 +8051,8 @@ class WorkerProcess:
                 except TypeError as e:
                     raise GrainError(f"{e} (type {type(value).__name__})") from None
             except Exception as e:
-                reply = (False, pickled_failure(e, traceback.format_exc()), failure_class(e))
+                reply = (False, pickled_failure(e, f"Traceback on worker {self.name}:\n"
+                                                f"{traceback.format_exc()}"), failure_class(e))
             self.send(("done", jid, *reply[:2], trio.current_time() - started, *reply[2:]))
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
@@ -8358,7 +8394,7 @@ class HeadDaemon(HeadCore):
         self.retries.note(job, error, kind)
         self.deliver(job, False, pickled_failure(error), 0.0, kind)
 
-    def deliver(self, job, ok, data, duration, kind, where=None):
+    def deliver(self, job, ok, data, duration, kind):
         """A job of a mission ended: count it and pass its result on, if the mission is
         still there."""
         job.state = "done" if ok else "failed"
@@ -8725,6 +8761,8 @@ async def cli_request(address, key, *msg):
     with trio.move_on_after(CLI_TIMEOUT_S):
         try:
             stream = await connect(address, key)
+        except KeyMismatch:  # a head answered: not one of this key
+            raise
         except Unreachable:
             return None
         async with open_channel(stream, address, heartbeat=False, silent_after=None) as ch:

@@ -1029,12 +1029,21 @@ async def test_job_past_its_T_fails_with_too_slow(autojump_clock):
     async def quick():
         return "ok"
 
+    async def own_deadline():   # a deadline of the job's own passes, well within its T
+        with trio.fail_after(1):
+            await trio.sleep(100)
+
     async with grain.GrainExecutor(rpw=Cores(1)) as exer:
         job = exer.submit(Cores(1) & WTime(T=30), slow)
-        with pytest.raises(trio.TooSlowError):
+        with pytest.raises(trio.TooSlowError) as info:
             await job
         assert trio.current_time() == 30.0
+        # the error names the job and its limit, as other failures name their job
+        assert str(info.value) == f"job {job.name} ran past its T (WTime(T=30))"
         assert await exer.submit(Cores(1), quick) == "ok"   # the worker keeps serving
+        with pytest.raises(trio.TooSlowError) as info:
+            await exer.submit(Cores(1) & WTime(T=30), own_deadline)
+        assert str(info.value) == ""   # the job's own error, not blamed on its T
 
 
 @trio_test
@@ -4595,6 +4604,76 @@ def test_ls_without_a_head_says_so_first_and_where_the_address_came_from(tmp_pat
         grain.load_auth_key(str(key))
 
 
+def test_ls_and_a_worker_say_the_head_holds_another_key_and_which_file_to_copy(tmp_path,
+                                                                                workers):
+    # A head in one home; `ls` and a worker in another, whose key differs. Neither is told
+    # that no head listens: `ls` fails with one line naming both key files; the worker says
+    # it once, waits for a head that holds its key (no call to the other head, no logs of
+    # its refusals) and serves the one that comes.
+    edge = f"edge://{tmp_path}/edge"
+    env = {h: dict(os.environ, HOME=str(tmp_path / h)) for h in ("a", "b")}
+    key = {h: str(tmp_path / h / ".local/share/grain/key") for h in env}
+    grain.load_auth_key(key["b"])   # (the head makes its own; `ls` makes none)
+    heads = []
+
+    def head(home):
+        heads.append(subprocess.Popen([sys.executable, GRAIN, "head", "--no-config", "-a", edge],
+                                      env=env[home], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        record = tmp_path / "edge"
+        wait_for(lambda: record.exists() and f'"pid": {heads[-1].pid},' in record.read_text(),
+                 30, f"the head of home {home} to listen")
+
+    try:
+        head("a")
+        said = f"the head at {edge} holds another key: copy {key['a']} to {key['b']}"
+        ls = grain_cli("ls", "-a", edge, env=env["b"])
+        assert ls.returncode == 1 and ls.stderr.splitlines()[-1] == f"grain.py ls: {said}"
+        w = workers.start("--url", edge, "--res", '{"Cores": {"N": 1}}', name="b", env=env["b"])
+        wait_for(lambda: said in w.log_path.read_text(), 30, "the worker to say why")
+        heads[0].terminate()
+        heads[0].wait(15)
+        head("b")
+        wait_for(lambda: "registered" in w.log_path.read_text(), 30, "the worker to join")
+        ls = grain_cli("ls", "-a", edge, env=env["b"])
+        assert ls.returncode == 0 and "\nb " in ls.stdout
+    finally:
+        for p in heads:   # (stopped, not killed: a head takes its socket files along)
+            p.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(15)
+        kill_all(heads)
+    log = w.log_path.read_text()
+    assert log.count(said) == 1 and "refused" not in log and "does not answer" not in log, log
+
+
+@trio_test
+async def test_a_head_with_another_key_is_named_with_the_key_files(tmp_path):
+    # A head at a tcp:// address records no key file: the message says whose to copy. One
+    # at an Edge file, whose key file here was made again after it started, is to restart.
+    here = grain.load_auth_key(str(tmp_path / "here" / "key"))
+    there = grain.load_auth_key(str(tmp_path / "there" / "key"))
+    edge = f"edge://{tmp_path}/edge"
+
+    async def nothing(stream, peer):
+        pass
+
+    async with trio.open_nursery() as nursery:
+        tcp = (await nursery.start(grain.serve, "tcp://127.0.0.1:0", there, nothing))["tcp"]
+        await nursery.start(grain.serve, edge, there, nothing)
+        with pytest.raises(grain.KeyMismatch) as info:
+            await grain.connect(tcp, here)
+        assert isinstance(info.value, grain.Unreachable)   # (to those who wait for a head)
+        assert str(info.value) == (f"the head at {tcp} holds another key: copy the head's key "
+                                   f"file to {here.path}")
+        os.unlink(there.path)
+        with pytest.raises(grain.KeyMismatch) as info:
+            await grain.connect(edge, grain.load_auth_key(there.path))
+        assert str(info.value) == (f"the head at {edge} holds another key: {there.path} was "
+                                   "made again after the head started: restart the head")
+        nursery.cancel_scope.cancel()
+
+
 @trio_test
 async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
     pidfile = tmp_path / "pids"
@@ -4653,7 +4732,7 @@ async def test_a_malformed_registration_is_refused_and_costs_no_job():
     assert job.state == "queued" and list(mission.jobs) == [job] and not daemon.scheduler.workers
     # a failure that is not an exception and its traceback: an error, not a crash
     for sent in [(1, 2, 3), (1, "a traceback")]:
-        value, error = grain.unpickle_result(job, False, grain.dumps_job_value(sent, ""), "w")
+        value, error = grain.unpickle_result(job, False, grain.dumps_job_value(sent, ""))
         assert value is None and "could not be unpickled" in str(error)
 
 
@@ -5863,6 +5942,30 @@ async def test_a_worker_that_lost_its_head_resends_only_the_last_result_of_a_job
                         ("done", "other#0", True, b"1", 0.3, None)]
 
 
+async def _raises_boom():
+    raise ValueError("boom")
+
+
+@trio_test
+async def test_a_worker_heads_the_traceback_it_sends_with_its_name():
+    # Whichever head reads it, the mission's own or a daemon between (which never opens
+    # it), or the next head after a crash, the traceback names the worker that ran the job.
+    worker = grain.WorkerProcess("node-7", {"name": "node-7"})
+    worker_side, head = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.serve, worker_side, Cores([0]), None)
+        for msg in (("fn", "d", grain.dumps_job_value(_raises_boom, "")),
+                    ("run", 1, "d", grain.NO_ARGS_PAYLOAD, Cores([0]), None)):
+            await head.send_all(grain.encode_frame(grain.dumps_control(msg)))
+        done = (await _read_messages(grain.FrameStream(head), 2))[1]
+        nursery.cancel_scope.cancel()
+    heading = "Traceback on worker node-7:\nTraceback (most recent call last):\n"
+    done_tb = grain.loads_job_value(done[3])[1]
+    assert done_tb.startswith(heading)   # as it travels
+    _, error = grain.unpickle_result(grain.Job(1, Cores(1), _raises_boom, (), {}), *done[2:4])
+    assert str(error) == "boom" and error.__notes__ == [done_tb.rstrip()]
+
+
 ###############################################################################
 # Head daemon #################################################################
 ###############################################################################
@@ -6227,6 +6330,46 @@ def test_a_prioritized_mission_goes_first(daemon):
     assert len(daemon.result(normal)["starts"]) == 10
     assert re.search(r"mission \S+ attached from \S+ \(prioritized\)",
                      (daemon.tmp_path / "head.log").read_text())
+
+
+FAILING_JOBS = textwrap.dedent("""
+    import sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, run
+    from grain.resource import Cores, WTime
+
+    @delayed
+    async def boom():
+        raise ValueError("boom")
+
+    @delayed
+    async def slow():
+        await trio.sleep(60)
+
+    async def main():
+        for job in ((boom @ Cores(1))(), (slow @ (Cores(1) & WTime(T=1)))()):
+            try:
+                await job
+            except Exception as e:
+                print(f"{{type(e).__name__}}: {{e}}", *e.__notes__, sep="\\n", flush=True)
+
+    run(main, config_file={config!r})
+""")
+
+
+def test_a_failure_through_the_daemon_names_its_job_and_the_worker_that_ran_it(daemon):
+    # Through the head daemon (a mission's usual way), a job raising on worker node-7 and
+    # a job past its T there: each error names what failed, and its traceback the worker
+    # that ran it, as `ls` shows it, not the daemon the mission sees as its one worker.
+    daemon.worker(name="node-7")
+    daemon.script.write_text(FAILING_JOBS.format(here=HERE, config=str(daemon.config)))
+    mission = daemon.mission()
+    out, err = mission.communicate(timeout=60)
+    assert mission.returncode == 0, err
+    assert re.fullmatch(r"ValueError: boom\nTraceback on worker node-7:\n.*"
+                        r"\nTooSlowError: job #\d+ slow ran past its T \(WTime\(T=1\)\)\n"
+                        r"Traceback on worker node-7:\n.*", out, re.S), out
+    assert "on worker head" not in out
 
 
 def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, tmp_path):
