@@ -1,4 +1,4 @@
-"""Chaos (issue 14): N jobs of 0.05-0.5 s through the head daemon on W worker processes of
+"""Chaos: N jobs of 0.05-0.5 s through the head daemon on W worker processes of
 C cores, first undisturbed, then while a random worker is killed (kill -9) every 2 s and
 replaced, and the head daemon is killed twice (at a third and two thirds of the
 undisturbed wall time; the mission starts a new one, the workers come back to it).

@@ -1,4 +1,4 @@
-"""8. Delayed calls with and without resources, as upstream's own bench/test_delayed.py
+"""Delayed calls with and without resources, as upstream's own bench/test_delayed.py
 times them: 300 @delayed no-op calls (each awaits trio.sleep(0)), awaited one by one
 ("serial") and all at once ("parallel"), with no resource and with Memory(0), in a run()
 whose local worker offers Memory(0). Medians of 30 repetitions of each, in ms per 300

@@ -1,10 +1,11 @@
-"""Fault campaign (issue 23): scenarios drawn from seeds, each a small mission on real
-processes with faults landing at random moments, and the promise checked after each from
-the records the jobs write themselves.
+"""Fault campaign: scenarios drawn from seeds, each a small mission on real processes
+with faults landing at random moments, and the promise checked after each from the
+records the jobs write themselves.
 
     python bench/bench_faults.py [--scenarios 500] [--first-seed 1]
     python bench/bench_faults.py --replay SEED [--verbose]
     python bench/bench_faults.py --seeds 3,17,40 [--quick]
+    python bench/bench_faults.py --hang N    # the hang scenario (below), N times
 
 A scenario (all drawn from its seed): the mission is its own head or goes through the head
 daemon; 1-4 workers of 1-2 cores that reattach; the address an Edge file or tcp (then the
@@ -621,10 +622,11 @@ HANG_MISSION = textwrap.dedent("""
 
 
 def hang_scenario(n):
-    """Issue 23's hang, as its text tells it, ``n`` times: two workers that reattach ("2m")
-    serve a mission that is its own head (Edge, a results store, four Cores(1) jobs of 5 s);
-    the mission is killed (SIGKILL) the moment all four run, and run again 1.5 s later.
-    Returns the runs that did not complete with every job run once."""
+    """The hang scenario, ``n`` times: two workers that reattach ("2m") serve a mission
+    that is its own head (Edge, a results store, four Cores(1) jobs of 5 s); the mission
+    is killed (SIGKILL) the moment all four run, and run again 1.5 s later, when it must
+    take its workers' running jobs back and complete with each job run once. Returns the
+    runs that did not."""
     bad = []
     for k in range(1, n + 1):
         d = tempfile.mkdtemp(prefix="grain-hang-")

@@ -1,4 +1,4 @@
-"""1. Local throughput: N no-op Cores(1) jobs through the delayed API on an in-process worker
+"""Local throughput: N no-op Cores(1) jobs through the delayed API on an in-process worker
 of 8 cores, after 200 warm-up jobs. Prints tasks/s on the last line.
 
     python bench/bench_local.py [--impl grainpy|upstream|dask] [N] [--results]

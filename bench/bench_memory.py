@@ -1,4 +1,4 @@
-"""4. Memory per queued job: N (default 100,000) no-op Cores(1) jobs submitted to a head that
+"""Memory per queued job: N (default 100,000) no-op Cores(1) jobs submitted to a head that
 has no worker yet, so none can run; the growth of this process's RSS divided by N. Prints
 bytes/job on the last line.
 

@@ -1,4 +1,4 @@
-"""7. Scheduling quality: a fixed, seeded mix of 2,000 jobs asking 1-8 cores and sleeping
+"""Scheduling quality: a fixed, seeded mix of 2,000 jobs asking 1-8 cores and sleeping
 0.01-0.2 s, all submitted at once to two worker processes of 8 cores. The makespan (first
 submission to last result) divided by the lower bound max(total core-seconds / 16, longest
 job). Prints that ratio on the last line.

@@ -1,4 +1,4 @@
-"""Re-registration (issue 14): W workers on a head daemon; the daemon is killed (kill -9)
+"""Re-registration: W workers on a head daemon; the daemon is killed (kill -9)
 and a new one started; time from the new daemon's start until `ls` shows all W workers
 back.
 

@@ -1,4 +1,4 @@
-"""2. Remote throughput and 3. latency, through worker processes on loopback.
+"""Remote throughput and latency, through worker processes on loopback.
 
     python bench/bench_remote.py [--impl grainpy|upstream|dask] [N] [--workers W]
                                  [--cores C] [--latency] [--results] [--url URL]

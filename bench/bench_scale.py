@@ -1,4 +1,4 @@
-"""6. Scale: W (default 100) worker processes join one head at once; the time from starting
+"""Scale: W (default 100) worker processes join one head at once; the time from starting
 them until all have registered, and the head's RSS then. Then, with a new head, the
 throughput of N no-op Cores(1) jobs through 16 workers of 8 cores.
 

@@ -1,4 +1,4 @@
-"""5. Start-up: the median of 10 runs of the version command and of importing the API.
+"""Start-up: the median of 10 runs of the version command and of importing the API.
 
     python bench/bench_startup.py [--impl grainpy|upstream|dask] [ROUNDS]
 

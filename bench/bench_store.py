@@ -1,4 +1,4 @@
-"""What a results store costs (issue 14): bench_local.py and bench_remote.py without and
+"""What a results store costs: bench_local.py and bench_remote.py without and
 with --results, alternating, for R rounds; then the head's own per-job work for the store,
 timed alone (keying a job, recording its result, handing it to the writer process), and
 the writer's work (inserting and committing the rows).

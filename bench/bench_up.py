@@ -3,7 +3,7 @@ prints a job id at once (so that the figure is grain's own cost, not the control
 
     python bench/bench_up.py [N]          # default 100
 
-Then `up -n N --array`: one submission of an array job of N tasks (issue 27).
+Then `up -n N --array`: one submission of an array job of N tasks.
 
 grain.py only: upstream Grain's `up` sleeps one second between submissions (so that its
 {{HHMMSS}} names differ), about N seconds by construction. The last line is

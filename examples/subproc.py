@@ -1,6 +1,7 @@
-"""Seed 003: a CPU-bound sync function run in the subprocess pool, pinned to its core.
-As upstream's documentation has it: ``f`` reads ``GVAR`` without importing it (the pool
-process binds it, as upstream's does).
+"""A CPU-bound sync function run in the subprocess pool: each call runs in a pool process,
+pinned to the core its job was given, and prints that allocation from the child. As in
+upstream Grain's documentation, ``f`` reads ``GVAR`` without importing it (the pool process
+binds it, as upstream's does).
 
     python examples/subproc.py
 """

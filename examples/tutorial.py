@@ -1,4 +1,5 @@
-"""Seed 004's first tutorial program: three delayed jobs without resources, in parallel.
+"""Three delayed jobs without resources, run at once in the mission (the first program of
+upstream Grain's tutorial).
 
     python examples/tutorial.py
 

@@ -1,5 +1,6 @@
-"""Seed 004's third tutorial program: three delayed "branch" functions in parallel, each
-summing three one-core "leaf" jobs, on a local worker with cores 0 and 1.
+"""Three delayed "branch" functions in parallel, each summing three one-core "leaf"
+jobs, on a local worker with cores 0 and 1 (the third program of upstream Grain's
+tutorial).
 
     python examples/tutorial_parallel.py
 

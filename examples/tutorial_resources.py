@@ -1,5 +1,5 @@
-"""Seed 004's second tutorial program: jobs that each need one core, on a local worker
-holding cores 0 and 1.
+"""Jobs that each need one core, on a local worker holding cores 0 and 1: the third job
+waits for a free core (the second program of upstream Grain's tutorial).
 
     python examples/tutorial_resources.py
 
