@@ -7266,7 +7266,7 @@ class GrainExecutor(HeadCore):
 ###############################################################################
 # Combine #####################################################################
 ###############################################################################
-# The "combine" front end (seed 000): waitgroups of jobs and subtasks, exec1 for one
+# The "combine" front end: waitgroups of jobs and subtasks, exec1 for one
 # job, run_combine as the entry point.
 
 

@@ -4558,7 +4558,7 @@ async def _gated_job():
 
 
 def own_head_mission_killed_then_run_again(tmp_path, workers, unflushed, seconds=3):
-    """Issue 23's scenario: two workers that reattach serve a mission that is its own head;
+    """Two workers that reattach serve a mission that is its own head;
     it is killed (kill -9) while its four jobs run, and run again 1.5 s later. Returns the
     second run's stdout (json) and the runs the jobs recorded, as (job, worker pid)."""
     runs, edge = tmp_path / "runs", f"edge://{tmp_path}/edge"
@@ -4769,7 +4769,7 @@ async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojum
 async def test_a_failure_a_returning_worker_reported_is_retried_at_once(autojump_clock):
     # A worker came back with a temporary failure of a job that waits in no queue (it was
     # held): its retry is queued, and starts on the idle worker there and then. (It hung:
-    # a retry was queued without a look at the workers, issue 24's fault campaign.)
+    # a retry was queued without a look at the workers.)
     async def work():
         return "ok"
 
@@ -4913,7 +4913,7 @@ def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
 
 
 def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
-    # The hang of issue 23: a mission killed within STORE_FLUSH_S of sending its jobs left
+    # A mission killed within STORE_FLUSH_S of sending its jobs left
     # no "running" entry, so the next run queued them unheld; then their workers came back
     # running them. The reports must find the queued jobs; and when a job a worker came
     # back with ends, its cores must take the next queued job.
@@ -4952,7 +4952,7 @@ def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
 def test_a_mission_its_own_head_killed_and_run_again_takes_its_jobs_back(tmp_path, workers,
                                                                         unflushed):
     # It hung for ever when the kill came before the store wrote the jobs' "running"
-    # entries (issue 23): its jobs were queued, and their workers' reports found nothing.
+    # entries: its jobs were queued, and their workers' reports found nothing.
     out, ran = own_head_mission_killed_then_run_again(tmp_path, workers, unflushed)
     assert _json.loads(out) == [0, 1, 4, 9]
     assert [job for job, _ in ran] == ["0", "1", "2", "3"]   # each ran once, in all
@@ -5537,7 +5537,7 @@ async def _two(x):
 
 @trio_test
 async def test_seed_tutorial_timings(autojump_clock):
-    # Seed 004, program 2: jobs of 0.1/0.2/0.3 s on two cores take 0.4 s.
+    # The tutorial's second program: jobs of 0.1/0.2/0.3 s on two cores take 0.4 s.
     async def elevated_sum(l):
         s_ = 0
         for x in l:

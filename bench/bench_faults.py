@@ -676,7 +676,7 @@ def hang_scenario(n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hang", type=int, metavar="N", help="issue 23's hang scenario, N times")
+    ap.add_argument("--hang", type=int, metavar="N", help="the hang scenario (see hang_scenario), N times")
     ap.add_argument("--scenarios", type=int, default=500)
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--seeds", help="comma-separated seeds (instead of --scenarios)")
