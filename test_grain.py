@@ -263,6 +263,17 @@ async def pid_then_sleep(pidfile, seconds):
     return os.getpid()
 
 
+async def pid_then_wait(pidfile, release):
+    """Record this process's pid, then run until the file ``release`` exists."""
+    import os
+    import trio
+    with open(pidfile, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while not os.path.exists(release):
+        await trio.sleep(0.05)
+    return os.getpid()
+
+
 class OnlyItsWorkerPickles:
     """A result that cannot be pickled again in the head's process."""
 
@@ -4683,7 +4694,10 @@ async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
                           name="node-a")
         b = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}', name="node-b")
         await exer.wait_for_workers(2)
-        jobs = [exer.submit(Cores(1), pid_then_sleep, str(pidfile), 3) for _ in range(3)]
+        # (the jobs run until told: a slow `ls` on a busy machine must not see them end)
+        release = tmp_path / "release"
+        jobs = [exer.submit(Cores(1), pid_then_wait, str(pidfile), str(release))
+                for _ in range(3)]
         with trio.fail_after(10):
             while len(pidfile.read_text().split() if pidfile.exists() else []) < 3:
                 await trio.sleep(0.05)
@@ -4706,6 +4720,7 @@ async def test_ls_and_quit_against_a_live_head(workers, tmp_path):
                                                           "node-b"))
         assert "node-b: leaving now" in cp.stdout
         assert await wait_exit(b) == 0
+        release.touch()
         pids = [await j for j in jobs]
         assert pids.count(a.pid) == 1 and b.pid not in pids and pids.count(os.getpid()) == 2
         assert exer.retried_by_class == {"worker retired": 1}
