@@ -113,6 +113,7 @@ import os
 import pickle
 import pwd
 import re
+import reprlib
 import shlex
 import signal
 import socket
@@ -1659,6 +1660,17 @@ class Job:
     def name(self):
         return f"#{self.id} {_callable_name(self.fn)}"
 
+    @property
+    def call(self):
+        """Its name and its arguments, short: ``#12 energy('h2o.xyz', basis='sto-3g')``, at
+        most 80 characters; made when a failure or the report shows it, not as it runs."""
+        if self.args is None:  # (not known: a head daemon's job, or one not yet submitted)
+            return self.name
+        text = ", ".join([*map(reprlib.repr, self.args),
+                          *(f"{k}={reprlib.repr(v)}" for k, v in self.kwargs.items())])
+        text = f"{self.name}({text})"
+        return text if len(text) <= 80 else text[:77] + "..."
+
     def done(self):
         return self.state == "done" or self.state == "failed"
 
@@ -1730,14 +1742,17 @@ class Retries:
         failures[kind] = failures.get(kind, 0) + 1
         tally.retried(kind)
         log.warning("job %s failed with %s (%s, attempt %d); retrying",
-                    job.name, f"{type(error).__name__}: {error}", kind, job.attempts)
+                    job.call, f"{type(error).__name__}: {error}", kind, job.attempts)
         return True
 
     def note(self, job, error, kind):
-        """Say on the final error how many attempts were made."""
-        if kind is not None and job.attempts > 1:
-            add_note(error, f"grain: job {job.name} failed after {job.attempts} attempts "
-                            f"({kind}, {self.budgets[kind]} retries allowed)")
+        """Say on the final error which job it was, with its arguments (a head daemon, which
+        knows none, when it retried it), and how many attempts were made."""
+        retried = kind is not None and job.attempts > 1
+        if retried or job.args is not None:
+            add_note(error, f"grain: job {job.call} failed" + (
+                f" after {job.attempts} attempts ({kind}, {self.budgets[kind]} retries "
+                "allowed)" if retried else ""))
 
 
 NO_KWARGS = types.MappingProxyType({})
@@ -3514,9 +3529,18 @@ async def subprocess_pool_scope(limit=None):
             rt.pool = pool
             try:
                 yield pool
+            except BaseException:
+                # Left by Ctrl-C or an error while the mission's jobs may still run in it: it
+                # closes once the mission has cancelled them. (Closed first, it would fail
+                # them, their processes gone, then the pool, and a results store keep that.)
+                if rt.executor is not None:
+                    rt.executor.after_jobs.push_async_callback(pool.aclose)
+                    pool = None
+                raise
             finally:
-                rt.pool = None
-                await pool.aclose()
+                if pool is not None:
+                    rt.pool = None
+                    await pool.aclose()
     finally:
         if token is not None:
             _RUNTIME.reset(token)
@@ -4660,9 +4684,9 @@ def _fit_allocation(provider):
 # half of updating a table kept sorted by key, and stays flat as the store grows; the
 # rows a later one replaced are dropped when the mission closes the store.
 
-STORE_FORMAT = 2  # (1 was a table by key, in development only: refused)
+STORE_FORMAT = 3  # (1 was a table by key, in development only: refused; 2 had no call)
 _STORE_TABLE = ("CREATE TABLE IF NOT EXISTS results_log (key TEXT, function TEXT, state TEXT, "
-                "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL)")
+                "value BLOB, error TEXT, kind TEXT, duration REAL, finished REAL, call TEXT)")
 _LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
 
 
@@ -4783,8 +4807,8 @@ def _key_text(key):
 
 
 _STORE_INSERT = ("INSERT INTO results_log VALUES (?, ?, ?, ?, ?, ?, ?, "  # finished: now,
-                 "(julianday('now') - 2440587.5) * 86400.0)")     # in Unix time, by SQLite
-_STORE_FIELDS = 7  # the values a row is given
+                 "(julianday('now') - 2440587.5) * 86400.0, ?)")  # in Unix time, by SQLite
+_STORE_FIELDS = 8  # the values a row is given
 
 # The store's writer: a process of its own, so that inserting rows and waiting for the
 # disk never take the event loop's time. (A thread could not: it needs the interpreter
@@ -4882,7 +4906,7 @@ class ResultStore:
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._create()
-            if self._format() != str(STORE_FORMAT):
+            if self._format() not in (str(STORE_FORMAT), "2"):  # (2: read, not written)
                 raise GrainError(f"results store {self.path} is of format {self._format()} "
                                  f"(this grain.py reads {STORE_FORMAT})")
             for key, state, rowid in self._db.execute(
@@ -4918,6 +4942,9 @@ class ResultStore:
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)",
                              (str(STORE_FORMAT),))
             self._db.execute(_STORE_TABLE)
+            if self._format() == "2":  # made before failures kept their call: it gains one
+                self._db.execute("ALTER TABLE results_log ADD COLUMN call TEXT")
+                self._db.execute("UPDATE meta SET v = ? WHERE k = 'format'", (str(STORE_FORMAT),))
 
     def _take_hold(self):
         for _ in range(2):
@@ -4988,7 +5015,8 @@ class ResultStore:
             return self._db.execute("SELECT state, value, error, kind FROM results_log WHERE "
                                     "key = ? ORDER BY rowid DESC LIMIT 1", (key,)).fetchone()
 
-    def record(self, key, function, state, value=None, error=None, kind=None, duration=None):
+    def record(self, key, function, state, value=None, error=None, kind=None, duration=None,
+               call=None):
         """Remember a job's state (written after the next ``take``; from the event
         loop's thread)."""
         if key in self.states:  # an entry found on opening: this row replaces it
@@ -4997,7 +5025,7 @@ class ResultStore:
             self._rowids.pop(key, None)
         elif state == "running":  # the row of its end will replace this one
             self._replaced += 1
-        self._pending += (key, function, state, value, error, kind, duration)
+        self._pending += (key, function, state, value, error, kind, duration, call)
 
     def take(self):
         """The rows recorded since the last ``take`` (flat), to ``send``."""
@@ -5083,11 +5111,15 @@ class ResultStore:
             proc.wait()
 
     def summary(self):
-        """``[(function, state, count)]`` of the entries, and the file's size in bytes."""
-        rows = self._db.execute("SELECT function, state, COUNT(*) FROM results_log WHERE rowid IN "
-                                "(SELECT MAX(rowid) FROM results_log GROUP BY key) GROUP BY "
-                                "function, state ORDER BY function, state")
-        return list(rows), os.path.getsize(self.path)
+        """``[(function, state, count)]`` of the entries, the file's size in bytes, and
+        ``[(call, error)]`` of the failed ones (their function, where no call was kept)."""
+        newest = "rowid IN (SELECT MAX(rowid) FROM results_log GROUP BY key)"
+        rows = self._db.execute(f"SELECT function, state, COUNT(*) FROM results_log WHERE "
+                                f"{newest} GROUP BY function, state ORDER BY function, state")
+        call = "function" if self._format() == "2" else "COALESCE(call, function)"
+        failed = self._db.execute(f"SELECT {call}, error FROM results_log WHERE state = "
+                                  f"'failed' AND {newest} ORDER BY rowid")
+        return list(rows), os.path.getsize(self.path), list(failed)
 
     def forget(self, pattern, state=None):
         """Drop the entries of the functions matching the glob ``pattern`` (and ``state``);
@@ -5184,7 +5216,7 @@ class MissionResults:
         name = self._functions[job.fn][1]
         self.store.record(job.wire, name, "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
-                          kind, job.duration)
+                          kind, job.duration, None if error is None else job.call)
 
     async def keep(self):
         """Write recorded results every STORE_FLUSH_S; say the store is held."""
@@ -6743,7 +6775,7 @@ def _report_bars(ran, where, t0, end, x, h):
             if k - i > 1:
                 label, cls = f"{k - i} jobs from {name}", "jobs"
             else:
-                label = f"{first.name}: {stop - first.started:.2f} s"
+                label = f"{first.call}: {stop - first.started:.2f} s"
                 cls = "job failed" if first.state == "failed" else "job"
             out.append(f'<rect class="{cls}" x="{x0:.1f}" y="{row * h}" width="{w:.1f}" '
                        f'height="{max(h - 1, 1)}" fill="{_colour(name)}"><title>'
@@ -6812,12 +6844,12 @@ def _report_html(record, ran, t0, end, x, title):
         line(held, "held"), line(busy, "busy"), "</g></svg>",
         "<h2>Slowest jobs</h2><table><tr><th>job</th><th>seconds</th><th>waited (s)</th>"
         "<th>worker</th></tr>" +
-        "".join(f"<tr><td>{esc(j.name)}</td><td>{j.ended - j.started:.2f}</td><td>"
+        "".join(f"<tr><td>{esc(j.call)}</td><td>{j.ended - j.started:.2f}</td><td>"
                 f"{j.started - (j.submitted or j.started):.2f}</td><td>"
                 f"{esc(getattr(j.worker, 'name', '?'))}</td></tr>" for j in slow) + "</table>",
         f"<h2>Failures ({t['failed']})</h2><table><tr><th>job</th><th>class</th>"
         "<th>attempts</th><th>error</th></tr>" +
-        "".join(f"<tr><td>{esc(j.name)}</td><td>{esc(str(j.kind))}</td><td>{j.attempts}"
+        "".join(f"<tr><td>{esc(j.call)}</td><td>{esc(str(j.kind))}</td><td>{j.attempts}"
                 f"</td><td>{esc(type(j.error).__name__)}: {esc(str(j.error))[:300]}</td></tr>"
                 for j in failed) + "</table>", "</body></html>"])
 
@@ -7174,6 +7206,8 @@ class GrainExecutor(HeadCore):
         context = await self._stack.enter_async_context(m.context()) if m.context else None
         backendless = [await _enter_backendless(self._stack, module, res)
                        for module, res in m.backendless]
+        # (what must outlive its jobs: a pool that main left, see subprocess_pool_scope)
+        self.after_jobs = await self._stack.enter_async_context(contextlib.AsyncExitStack())
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
         self.start(self._nursery, self._queue)
@@ -7419,8 +7453,10 @@ def _start_mission(main, executor_args, executor_kwargs, config_file, address,
                         executor_args, {**executor_kwargs, **options})
     except _SetupFailed as e:
         raise e.args[0].with_traceback(None) from None
-    except KeyboardInterrupt as e:  # (Ctrl-C: the last log line said what ended; not where)
-        raise e.with_traceback(None) from None
+    except BaseException as e:  # Ctrl-C (in a group when it hit a job's task): the last log
+        if isinstance(lone_exception(e), KeyboardInterrupt):  # line said what ended; not where
+            raise KeyboardInterrupt from None
+        raise
 
 
 def run_combine(main, *executor_args, config_file=None, address=None, **executor_kwargs):
@@ -9197,13 +9233,15 @@ def _cmd_results(args):
             print(f"forgot {n} entr{'y' if n == 1 else 'ies'} of {args.forget!r}"
                   f"{' (' + args.state + ')' if args.state else ''}"
                   f"{'' if n else ': none matches (the functions are listed below)'}")
-        rows, size = store.summary()
+        rows, size, failed = store.summary()
     finally:
         store.close()
     width = max([len("FUNCTION")] + [len(f) for f, _, _ in rows])
     print(f"{'FUNCTION'.ljust(width)}  STATE    JOBS")
     for function, state, count in rows:
         print(f"{function.ljust(width)}  {state.ljust(7)}  {count}")
+    for call, error in failed:  # which inputs failed, and how (its error on one line, cut)
+        print(f"failed: {call}: {' '.join((error or '').split()):.160}")
     print(f"{sum(c for _, _, c in rows)} job(s), {size / 1e6:.2f} MB: {os.path.abspath(args.store)}")
     return 0
 

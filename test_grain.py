@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import html
 import json
 import logging
 import math
@@ -2218,6 +2219,69 @@ def test_ctrl_c_leaves_no_orphan(tmp_path):
     assert not pid_alive(child)
 
 
+INTERRUPTED_MISSION = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+    from grain.subproc import subprocify, subprocess_pool_scope
+
+    @delayed
+    @subprocify
+    def spin(i, go):
+        os.write(1, f"start {{i}}\\n".encode())   # (one write: lines of two jobs never mix)
+        while i >= 2 and not os.path.exists(go):  # the first two end; the rest hold on
+            time.sleep(0.01)
+        os.write(1, f"end {{i}}\\n".encode())
+        return i
+
+    async def main():
+        async with subprocess_pool_scope():
+            jobs = [(spin @ Cores(1))(i, {go!r}) for i in range(10)]
+            print("submitted", flush=True)
+            return await each(jobs)
+
+    print(run(main, local=Cores(2), config_file=False, results={store!r},
+              rerun_failed=len(sys.argv) == 1))
+""")
+
+
+@pytest.mark.parametrize("moment", ["submitted", "end 0", "start 3"])
+def test_ctrl_c_stores_no_interrupted_job_as_failed(tmp_path, moment):
+    # Ctrl-C of a mission whose @subprocify jobs run, or wait: before any has run, as a
+    # result is on its way to the store, with two done and two running
+    store, go, script = tmp_path / "r.db", tmp_path / "go", tmp_path / "mission.py"
+    script.write_text(INTERRUPTED_MISSION.format(here=HERE, go=str(go), store=str(store)))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while moment not in seen:
+            seen.append(p.stdout.readline().strip())
+            assert seen[-1], p.stderr.read()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.communicate()
+    assert p.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert "retrying" not in err and "subprocess_pool_scope" not in err, err
+    ended = {int(line.split()[1]) for line in seen + out.splitlines() if line.startswith("end")}
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        states = [s for (s,) in db.execute("SELECT state FROM results_log")]
+    assert set(states) <= {"done"} and len(states) <= len(ended)   # none failed
+    if moment == "start 3":    # the two that ended before were stored
+        assert len(states) == 2
+    # Run again with rerun_failed=False, which would raise a stored failure at once: it
+    # completes, running the jobs not stored, and only those
+    go.touch()
+    again = run_py(str(script), "--rerun-failed=False", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    *starts, result = again.stdout.splitlines()
+    assert result == str(list(range(10)))
+    assert len([s for s in starts if s.startswith("start")]) == 10 - len(states)
+
+
 def test_a_killed_mission_takes_its_pool_processes_and_their_programs_along(tmp_path):
     pidfile, program = tmp_path / "pid", tmp_path / "program"
     script = tmp_path / "mission.py"
@@ -3858,10 +3922,46 @@ def test_the_store_is_a_log_whose_newest_row_counts_and_another_format_is_refuse
                    (grain.dumps_job_value(42, "x"),))
         db.commit()
     cp = grain_cli("results", str(old))
-    assert cp.returncode != 0 and "is of format 1 (this grain.py reads 2)" in cp.stderr
+    assert cp.returncode != 0 and "is of format 1 (this grain.py reads 3)" in cp.stderr
     with pytest.raises(grain.GrainError, match="is of format 1"):
         grain.ResultStore(old).open()   # nor does a mission write into it
     assert not os.path.exists(f"{old}.holder")
+
+
+def test_a_store_of_format_2_is_read_as_it_is_and_a_mission_takes_it_on(tmp_path):
+    # a store made before failed entries kept their call: readable, and a mission adds it
+    path = tmp_path / "old.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE meta (k TEXT PRIMARY KEY, v TEXT)")
+        db.execute("INSERT INTO meta VALUES ('format', '2')")
+        db.execute("CREATE TABLE results_log (key TEXT, function TEXT, state TEXT, value BLOB, "
+                   "error TEXT, kind TEXT, duration REAL, finished REAL)")
+        db.execute("INSERT INTO results_log VALUES ('a#0', 'f', 'done', 42, NULL, NULL, 1, 0)")
+        db.execute("INSERT INTO results_log VALUES ('b#0', 'g', 'failed', NULL, 'ValueError: "
+                   "no', 'raised', 1, 0)")
+        db.commit()
+
+    def listed():
+        cp = grain_cli("results", str(path))
+        assert cp.returncode == 0, cp.stderr
+        return cp.stdout
+
+    def store_format():
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return db.execute("SELECT v FROM meta WHERE k = 'format'").fetchone()[0]
+
+    out = listed()
+    assert re.search(r"^f\s+done\s+1$", out, re.M) and "failed: g: ValueError: no\n" in out
+    assert store_format() == "2"   # (reading changes nothing)
+    store = grain.ResultStore(path).open()
+    try:
+        assert store.fetch("a#0") == ("done", 42, None, None)
+        store.record("c#0", "h", "failed", None, "KeyError: 'x'", "raised", 1.0, "#1 h(1)")
+    finally:
+        store.close()
+    assert store_format() == "3"
+    out = listed()
+    assert "failed: g: ValueError: no\nfailed: #1 h(1): KeyError: 'x'\n" in out
 
 
 @trio_test
@@ -3871,17 +3971,17 @@ async def test_the_store_writer_process_writes_and_its_death_costs_no_row(tmp_pa
     try:
         store.start_writer()
         proc = store.writer
-        await store.send(["a", "f", "done", b"1", None, None, 0.5])  # a row's fields
+        await store.send(["a", "f", "done", b"1", None, None, 0.5, None])  # a row's fields
         with contextlib.closing(sqlite3.connect(path)) as db:  # acknowledged: in the file
             assert db.execute("SELECT key FROM results_log").fetchall() == [("a",)]
         # a key left as its material and n (a new store's) is made text there, as here
-        await store.send([(b"what it computes", 3), "f", "done", b"1", None, None, 0.5])
+        await store.send([(b"what it computes", 3), "f", "done", b"1", None, None, 0.5, None])
         with contextlib.closing(sqlite3.connect(path)) as db:
             assert db.execute("SELECT key FROM results_log WHERE rowid = 2").fetchone() == (
                 grain._key_text((b"what it computes", 3)),)
         proc.kill()
         proc.wait()
-        await store.send(["b", "f", "done", b"2", None, None, 0.5])  # written from here
+        await store.send(["b", "f", "done", b"2", None, None, 0.5, None])  # written from here
         assert store.writer is None
         with contextlib.closing(sqlite3.connect(path)) as db:
             assert [k for (k,) in db.execute("SELECT key FROM results_log")] == \
@@ -3900,7 +4000,7 @@ async def test_the_store_writer_survives_the_missions_directory_and_leaves_when_
     try:
         store.start_writer()
         proc = store.writer
-        await store.send(["a", "f", "done", b"1", None, None, 0.5])
+        await store.send(["a", "f", "done", b"1", None, None, 0.5, None])
         assert store.writer is proc  # (it would have died importing that pickle.py)
         child = os.fork()  # a process the mission forked holds the writer's input open
         if child == 0:
@@ -3919,7 +4019,7 @@ async def test_the_store_writer_survives_the_missions_directory_and_leaves_when_
 async def test_a_batch_cut_off_from_its_answer_is_written_once(tmp_path):
     path = tmp_path / "r.db"
     store = grain.ResultStore(path).open()
-    row = ["a", "f", "done", b"1", None, None, 0.5]
+    row = ["a", "f", "done", b"1", None, None, 0.5, None]
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
         try:
             store.start_writer()
@@ -3967,6 +4067,68 @@ def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path):
     calls.clear()
     run(main, local=Cores(1), config_file=False, results=str(store), rerun_failed=False)
     assert calls == []       # rerun_failed=False: the stored error, as raised the first time
+
+
+async def energy(xyz, basis="sto-3g"):
+    if xyz == "h2o.xyz":
+        await grain.run_program("echo 'SCF not converged' >&2; exit 2")
+    return len(xyz)
+
+
+class ReprCounted:
+    """An argument that counts how often its repr was asked for."""
+    reprs = 0
+
+    def __repr__(self):
+        ReprCounted.reprs += 1
+        return "ReprCounted()"
+
+    def __len__(self):
+        return 3
+
+
+def test_a_failed_job_is_named_with_its_arguments_in_its_error_store_and_report(tmp_path):
+    store, report = tmp_path / "r.db", tmp_path / "r.html"
+
+    async def main():
+        ch4, h2o = ((delayed(energy) @ Cores(1))(x, basis="sto-3g") for x in ("ch4", "h2o.xyz"))
+        with pytest.raises(grain.ProgramError) as info:
+            await h2o
+        return await ch4, info.value
+
+    value, error = run(main, local=Cores(1), config_file=False, results=str(store),
+                       report=str(report))
+    call = "#2 energy('h2o.xyz', basis='sto-3g')"
+    assert value == 3 and f"grain: job {call} failed" in error.__notes__
+    cp = grain_cli("results", str(store))
+    assert cp.returncode == 0, cp.stderr
+    assert f"failed: {call}: ProgramError: echo 'SCF not converged' >&2; exit 2 exited with " \
+           "status 2; the end of its stderr: SCF not converged\n" in cp.stdout
+    assert cp.stdout.count("failed:") == 1   # (the job that was done: not listed)
+    assert f"<td>{call}</td><td>raised</td>" in html.unescape(report.read_text())
+
+
+def test_a_jobs_call_is_short_and_made_only_when_shown(tmp_path):
+    job = grain.Job(12, Cores(1), energy, ("h2o.xyz",), {"basis": "sto-3g"})
+    assert job.call == "#12 energy('h2o.xyz', basis='sto-3g')"
+    path = "/data/" + "x" * 500 + "/h2o.xyz"
+    call = grain.Job(3, Cores(1), energy, (path, list(range(10 ** 5))), {"basis": "b" * 90}).call
+    assert len(call) == 80 and call.endswith("...")
+    assert call.startswith("#3 energy('/data/xxx") and "/h2o.xyz', [0, 1, 2, " in call
+    assert grain.Job(4, Cores(1), energy, None, None).call == "#4 energy"  # (args unknown)
+
+    async def main():  # jobs that succeed, with a store: their arguments' repr is not made
+        return await each((delayed(energy) @ Cores(1))(ReprCounted()) for _ in range(3))
+
+    async def failing():
+        with pytest.raises(grain.ProgramError):
+            await (delayed(energy) @ Cores(1))("h2o.xyz", ReprCounted())
+
+    options = dict(local=Cores(1), config_file=False, results=str(tmp_path / "r.db"))
+    ReprCounted.reprs = 0
+    assert run(main, **options) == [3, 3, 3] and ReprCounted.reprs == 0
+    run(failing, **options)
+    assert ReprCounted.reprs > 0   # (a failure: it is)
 
 
 def test_a_job_that_cannot_be_keyed_runs_with_one_warning(tmp_path, caplog):
@@ -5178,8 +5340,8 @@ def test_the_mission_report_renders_in_a_real_browser(tmp_path):
     page = report.read_text()
     assert "<script" not in page and "http" not in page.split("<body>")[1]  # self-contained
     # the slowest jobs say how long they waited for a core: 30 jobs on 4 cores, most did
-    waited = [float(w) for w in re.findall(r"<tr><td>[^<]*work</td><td>[\d.]+</td><td>"
-                                           r"([\d.]+)</td>", page)]
+    waited = [float(w) for w in re.findall(r"<tr><td>#\d+ work\(\d+\)</td><td>[\d.]+</td>"
+                                           r"<td>([\d.]+)</td>", page)]
     assert waited and max(waited) > 0, page
     browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
                "--enable-logging=stderr", "--v=0", f"file://{report}"]
