@@ -94,10 +94,12 @@ import codecs
 import contextlib
 import contextvars
 import copy
+import difflib
 import errno
 import fnmatch
 import functools
 import gc
+import glob
 import hashlib
 import hmac
 import importlib.machinery
@@ -302,6 +304,10 @@ class FrameError(PeerError):
 
 class AuthenticationError(PeerError):
     """A peer failed the handshake: it does not hold the key, or does not speak grain."""
+
+
+class HungUp(AuthenticationError):
+    """A peer closed the connection during the handshake."""
 
 
 class WorkerLostError(GrainError):
@@ -600,6 +606,12 @@ def output_path_problem(path):
         return "a directory, not a file"
     where = os.path.dirname(os.path.abspath(path))
     return None if os.path.isdir(where) else f"no directory {where}"
+
+
+def _did_you_mean(word, choices, prefix=""):
+    """``"; did you mean 'x'?"`` naming the choice nearest a misspelt ``word``, or ""."""
+    close = difflib.get_close_matches(word, choices, 1)
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
 def _unlink_quietly(path):
@@ -988,17 +1000,18 @@ def request_text(req):
 
 
 def amounts_text(res):
-    """What a worker offers, in amounts (``3 cores, 23.5 GB``) as a request is said: its
-    repr names the core ids (``CPU_Cores([0-2])``), which the reader would have to count."""
+    """What a provider has free (as a worker offers it: all), in amounts (``3 cores, 23.5
+    GB``): its repr names the core ids (``CPU_Cores([0-2])``), which one would have to count."""
     def one(kind, part):
         if kind == "WTime":
-            return f"{format_walltime(part.remaining())} of walltime"
+            return "no walltime limit" if part.T is None else \
+                f"{format_walltime(part.remaining())} of walltime"
         if kind == "Token":
             return f"token {part.token!r}"
         words = {"Cores": "core", "Memory": "GB", "Gpus": "GPU"}.get(kind)
         if words is None:
             return request_text(part)
-        n = round(part._stat()[1], 1)
+        n = round(part._stat()[0], 1)
         return f"{n:g} {words}{'s' if n != 1 and kind != 'Memory' else ''}"
     return ", ".join(one(kind, part) for kind, part in res._parts().items()) or repr(res)
 
@@ -2286,16 +2299,38 @@ async def open_listeners(url):
     raise ValueError(f"cannot listen on {url!r} directly")
 
 
-async def _unix_listener(path):
-    """A Unix socket listener at ``path``; a stale socket file (no one listening) is removed."""
-    if os.path.exists(path):
+def private_dir():
+    """$TMPDIR/grain-<uid> (/tmp's when that path is too long for sockets' 107 bytes), mode
+    0700: where this host's sockets are. Made if need be; a GrainError if not only ours."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    base = os.path.join(base if len(base) < 60 else "/tmp", f"grain-{os.getuid()}")
+    os.makedirs(base, 0o700, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise GrainError(f"{base} must be a directory of yours that only you can read (mode "
+                         "0700): it holds grain's sockets; remove it or chmod 700 it")
+    return base
+
+
+def _live_sockets(paths):
+    """Those of the socket files ``paths`` someone listens on; the others (connecting is
+    refused: their process died) are removed."""
+    live = []
+    for path in paths:
         with socket.socket(socket.AF_UNIX) as probe:
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # left by a process that died: nobody answers
+            probe.setblocking(False)  # (a live listener with a full backlog: EAGAIN)
+            if probe.connect_ex(path) in (errno.ECONNREFUSED, errno.ENOENT):
+                _unlink_quietly(path)
             else:
-                raise GrainError(f"another process already listens on unix://{path}")
+                live.append(path)
+    return live
+
+
+async def _unix_listener(path):
+    """A Unix socket listener at ``path``. Socket files that processes which died left there
+    or in private_dir() are removed first."""
+    if path in _live_sockets({path, *glob.glob(os.path.join(private_dir(), "*.sock"))}):
+        raise GrainError(f"another process already listens on unix://{path}")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)  # the socket file is ours alone
     try:
@@ -2306,12 +2341,11 @@ async def _unix_listener(path):
     return trio.SocketListener(sock)
 
 
-async def _receive_exactly(stream, n, during="during the handshake",
-                           error=AuthenticationError):
+async def _receive_exactly(stream, n, during="during the handshake", error=None):
     buf = bytearray()
     while len(buf) < n:
         if not (data := await stream.receive_some(n - len(buf))):
-            raise error(f"the peer closed the connection {during}")
+            raise (error or HungUp)(f"the peer closed the connection {during}")
         buf += data
     return bytes(buf)
 
@@ -2406,14 +2440,10 @@ def _order_urls(record):
         not (same_host and u.startswith("unix:")), not u.startswith("tcp://127.")))
 
 
-async def _edge_listeners(edge_path, tag):
+async def _edge_listeners(tag):
     """``(listeners, {interface: url}, socket path)`` of one side of an Edge rendezvous: a free
-    TCP port and a Unix socket beside the file (``tag`` names it; in /tmp if that is too long)."""
-    sock_path = f"{edge_path}.{tag}.sock"
-    if len(sock_path.encode()) > 100:
-        import tempfile
-
-        sock_path = os.path.join(tempfile.gettempdir(), f"grain-{os.getuid()}-{tag}.sock")
+    TCP port and a Unix socket in private_dir() (``tag`` names it), for peers on this host."""
+    sock_path = os.path.join(private_dir(), f"edge-{tag}.sock")
     tcp, urls = await open_listeners("tcp://:0")
     urls["unix"] = f"unix://{sock_path}"
     return tcp + [await _unix_listener(sock_path)], urls, sock_path
@@ -2457,7 +2487,9 @@ async def _admitted(stream, key):
     try:
         return await authenticate(stream, key, dialer=False)
     except (PeerError, OSError, trio.BrokenResourceError) as e:
-        log.warning("refused a connection from %s: %s", _peer_name(stream), e)
+        # (one that hung up, as a process checking the socket is live does: no news)
+        (log.debug if isinstance(e, (HungUp, trio.BrokenResourceError)) else log.warning)(
+            "refused a connection from %s: %s", _peer_name(stream), e)
         await stream.aclose()
 
 
@@ -2520,7 +2552,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
     """serve() for an Edge file: keep our record in it fresh; call the workers waiting in it."""
     edge = EdgeFile(path)
     lid = os.urandom(8).hex()
-    listeners, urls, sock_path = await _edge_listeners(path, f"head-{lid}")
+    listeners, urls, sock_path = await _edge_listeners(f"head-{lid}")
     record = {"host": hostname(), "lid": lid, "pid": os.getpid(), "urls": urls,
               "key": getattr(key, "path", None)}
     with edge.locked() as data:
@@ -2611,7 +2643,7 @@ async def _wait_to_be_called(edge, seen, key):
     """Record in the Edge file where we listen and wait for a head to call; None if a live
     head other than ``seen`` appeared meanwhile (connect to it instead)."""
     did = os.urandom(8).hex()
-    listeners, urls, sock_path = await _edge_listeners(edge.path, f"worker-{did}")
+    listeners, urls, sock_path = await _edge_listeners(f"worker-{did}")
     try:
         with edge.locked() as data:
             if EdgeFile.live(data["listener"]) and data["listener"] != seen:
@@ -3800,7 +3832,9 @@ def _check_table(data, table, path):
             continue
         if k not in schema:
             known = sorted(list(schema) + list(subtables))
-            raise ConfigError(f"{path}: unknown key {name!r} (known here: {', '.join(known)})")
+            raise ConfigError(f"{path}: unknown key {name!r}"
+                              f"{_did_you_mean(k, known, name[:-len(k)])} (known here: "
+                              f"{', '.join(known)})")
         field_name, check = schema[k]
         try:
             value = check(value)
@@ -3843,11 +3877,11 @@ def find_config_path(config_file=None):
 def load_config(config_file=None):
     """The config for ``config_file`` (a path, None to look for one, False for defaults)."""
     if config_file is False:
-        log.info("Config file is disabled, using default settings.")
+        log.debug("Config file is disabled, using default settings.")
         return Config()
     path = find_config_path(config_file)
     if path is None:
-        log.info("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
+        log.debug("No config file (./grain.toml or $GRAIN_CONFIG); using default settings.")
         return Config()
     try:
         with open(path, encoding="utf-8") as f:
@@ -4584,6 +4618,9 @@ def find_gpus(environ=None, sysfs="/sys"):
     return Gpus(ids, vendor=vendor, near=near)
 
 
+_OVERSUBSCRIBE = "; --oversubscribe offers more, as virtual ids (for tests and benchmarks)"
+
+
 def _fit_cores(parts, allowed, oversubscribe, who):
     """Make ``parts``' Cores(N) ids of this process's ``allowed`` cores: the first N, then
     (``oversubscribe``; else an error) virtual ids past the largest. Named ids must be
@@ -4596,7 +4633,7 @@ def _fit_cores(parts, allowed, oversubscribe, who):
         return
     if cores.N > len(allowed) and not oversubscribe:
         raise UsageError(f"--res asks for {cores.N} cores but this process may use "
-                         f"only {len(allowed)} ({_fmt_ids(allowed)})")
+                         f"only {len(allowed)} ({_fmt_ids(allowed)}){_OVERSUBSCRIBE}")
     if cores.N > len(allowed):
         log.info("%s: %d cores offered, %d real (%s); the rest are virtual", who, cores.N,
                  len(allowed), _fmt_ids(allowed))
@@ -4647,7 +4684,8 @@ def _fit_gpus(parts, oversubscribe):
     have = found.ids if found is not None else []
     if asked.N > len(have) and not oversubscribe:
         raise UsageError(f"--res asks for {asked.N:g} GPU(s) but this machine shows "
-                         f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}")
+                         f"{len(have)}{' (' + ','.join(have) + ')' if have else ''}"
+                         f"{_OVERSUBSCRIBE}")
     parts["Gpus"] = (Gpus([str(i) for i in range(int(asked.N))]) if asked.N > len(have)
                      else Gpus(have[:int(asked.N)], found.vendor, found.near))
 
@@ -5878,7 +5916,8 @@ class Scheduler:
             return "no worker has joined yet"
         if (w := queue.reserved) is not None:
             return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
-                    f"nothing else starts there until it fits ({w.name} has {w.res!r} free)")
+                    f"nothing else starts there until it fits (free on {w.name}: "
+                    f"{amounts_text(w.res)})")
         token = _part(req, "Token")
         tokens = sorted({t.token for w in workers for t in [_part(w.total, "Token")] if t})
         if token is not None and token.token not in tokens:
@@ -5902,7 +5941,8 @@ class Scheduler:
                 return (f"the worker(s) with room are held for {room[0].reserved_for.name}, "
                         f"which waited longer (reserved)")
             return "a worker has room: it starts at the next pass"
-        busy = ", ".join(f"{w.name} ({w.running} running, {w.res!r} free)" for w in large[:4])
+        busy = ", ".join(f"{w.name} ({w.running} running; free: {amounts_text(w.res)})"
+                         for w in large[:4])
         more = f" and {len(large) - 4} more" if len(large) > 4 else ""
         text = f"all {len(large)} worker(s) large enough are busy: {busy}{more}"
         running = [j for w in large for j in w.busy if j.started is not None]
@@ -6405,7 +6445,7 @@ class HeadService:
 # Mission link ################################################################
 ###############################################################################
 # How a mission reaches the head daemon for its address: the one on this host (a Unix
-# socket in /tmp/grain-<uid>), else one answering at the address elsewhere, else a new
+# socket in $TMPDIR/grain-<uid>), else one answering at the address elsewhere, else a new
 # one it starts, detached. Its Executor then sees the daemon as one more worker that
 # takes every job (HeadLink, with an Unlimited provider): the job's request and pickled
 # bytes go over, the daemon picks the real worker, and results come back as a worker's.
@@ -6413,15 +6453,9 @@ class HeadService:
 
 def mission_socket_path(address):
     """Where the head daemon for ``address`` takes missions on this host: a Unix socket in
-    /tmp/grain-<uid> (mode 0700; short, and the same for every login and batch job)."""
-    base = f"/tmp/grain-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(base, 0o700)
-    st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise GrainError(f"{base} must be a directory of yours that only you can read (mode "
-                         "0700): it holds the head daemon's socket; remove it or chmod 700 it")
-    return os.path.join(base, f"head-{hashlib.sha1(address.encode()).hexdigest()[:16]}.sock")
+    private_dir()."""
+    return os.path.join(private_dir(),
+                        f"head-{hashlib.sha1(address.encode()).hexdigest()[:16]}.sock")
 
 
 def spawn_head(argv, log_file):
@@ -6907,12 +6941,17 @@ def _worker_sources(waddrs, rpw):
     local worker's resources (upstream's order; grain.py's ``GrainExecutor(rpw)`` too)."""
     if isinstance(waddrs, Resource):
         waddrs, rpw = (), waddrs
-    if rpw is not None and not isinstance(rpw, Resource):
-        raise TypeError(f"rpw must be a Resource such as Cores(4), got {rpw!r}")
     urls = [a if "://" in a else f"tcp://{a}:4242" for a in waddrs]
     for url in urls:
         parse_url(url)
-    return urls, rpw
+    return urls, _resource_arg(rpw, "rpw")
+
+
+def _resource_arg(value, name):
+    """``value``, if it is a Resource (or None); else a TypeError naming the argument."""
+    if value is not None and not isinstance(value, Resource):
+        raise TypeError(f"{name}= must be a Resource such as Cores(4), got {value!r}")
+    return value
 
 
 class GrainExecutor(HeadCore):
@@ -7492,7 +7531,9 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
             executor_kwargs[option] = os.path.join(here, getattr(head, option))
     if may_attach and address and not own_head:
         config = ["-c", cfg.path] if cfg.path else ["--no-config"]
-        log_file = os.path.abspath(_stamp(head.daemon_log, time.time()))
+        # a daemon shared by missions from any directory: its log beside its job records
+        log_file = os.path.join(os.path.dirname(os.path.abspath(JobBook(address).path)),
+                                _stamp(head.daemon_log, time.time()))
         return {"mission": MissionSetup(
             attach=functools.partial(attach_to_head, address, key,
                                      self_argv("head", *config, "-a", address), log_file),
@@ -7825,7 +7866,7 @@ def run(main, *executor_args, config_file=None, local=None, name=None, prioritiz
     if local is not None:
         if "rpw" in executor_kwargs or len(executor_args) > 1:
             raise TypeError("run(): give local= or its alias rpw=, not both")
-        executor_kwargs["rpw"] = local
+        executor_kwargs["rpw"] = _resource_arg(local, "run(): local")
     return _start_mission(main, executor_args, executor_kwargs, config_file, address,
                           True, name, prioritized)
 
@@ -8987,9 +9028,7 @@ def _cmd_worker(args):
             "a directory, not a file" if os.path.isdir(args.context) else "no such file"))
     if args.name is not None and not args.name.strip():
         raise UsageError("--name takes a name, got an empty one")
-    # (quietly: a worker without a config file is the common case)
-    config = find_config_path(args.config)
-    s = load_config(config).role("worker") if config else RoleSettings("worker")
+    s = load_config(args.config).role("worker")
     reattach = s.reattach if args.reattach is None else \
         parse_duration(args.reattach, "--reattach")  # (a ValueError is bad input: exit 2)
     return trio_run(functools.partial(worker_main, url=url, res=res, name=args.name,
@@ -9268,6 +9307,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_subproc"]:  # internal: a subprocess-pool process (not in --help)
         return _subproc_child_main(int(argv[1]))
+    names = [c[0] for c in _COMMAND_LINE]
+    if (word := next((a for a in argv if a[:1] != "-"), None)) not in names + [None]:
+        print(f"grain.py: unknown command {word!r}{_did_you_mean(word, names)} (commands: "
+              f"{', '.join(names)})", file=sys.stderr)  # (the top level's options take no value)
+        return 2
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command in ("up", "start"):  # `up -n 2 --qos=debug`: the rest goes to sbatch...

@@ -32,13 +32,25 @@ import trio
 import trio.testing
 
 # Missions listen on ~/.local/share/edge-file-default and keep their key in
-# ~/.local/share/grain: give the whole test run (and its child processes) a home of its own.
+# ~/.local/share/grain; sockets go to $TMPDIR/grain-<uid>: give the whole test run (and its
+# child processes) a home of its own with its TMPDIR inside, removed at its end (see
+# remove_the_runs_home). A SIGTERM (a CI job's timeout) ends the run as Ctrl-C does, so
+# that this happens then too (the default SIGTERM leaves without atexit). A process of the
+# run that imports this file to unpickle a job's function (a worker, a subprocess-pool
+# process) has that home already: it makes none (nor leaves one behind when killed), and
+# keeps its own SIGTERM.
 import atexit
+import select
 import shutil
 import tempfile
 
-os.environ["HOME"] = tempfile.mkdtemp(prefix="grain-test-home-")
-atexit.register(shutil.rmtree, os.environ["HOME"], ignore_errors=True)
+RUN_HOME = os.environ.get("HOME", "")
+if not os.path.basename(RUN_HOME).startswith("grain-test-home-"):
+    RUN_HOME = os.environ["HOME"] = tempfile.mkdtemp(prefix="grain-test-home-")
+    os.environ["TMPDIR"] = os.path.join(RUN_HOME, "tmp")
+    os.mkdir(os.environ["TMPDIR"])
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    atexit.register(lambda: remove_the_runs_home())
 
 import grain
 
@@ -55,11 +67,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GRAIN = os.path.join(HERE, "grain.py")
 
 
-def head_daemons():
-    """Pids of the head daemons (`grain.py head`) this test run started: those with the
-    run's own HOME (set above). A user's own daemon, on a login node, is never touched."""
-    ours = f"HOME={os.environ['HOME']}".encode()
-    pids = set()
+def run_processes():
+    """``{pid: argv}`` of the running processes with this test run's HOME (set above),
+    but this one: those it started, and theirs. A user's own, on a login node, never are."""
+    ours, found = f"HOME={RUN_HOME}".encode(), {}
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -68,10 +79,28 @@ def head_daemons():
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if b"head" in argv and ours in environ and any(
-                a.endswith(b"grain.py") or a.endswith(b".pyz") for a in argv):
-            pids.add(int(entry))
-    return pids
+        if ours in environ and int(entry) != os.getpid():  # (a zombie's environ is empty)
+            found[int(entry)] = argv
+    return found
+
+
+def head_daemons():
+    """Pids of the head daemons (`grain.py head`) this test run started."""
+    return {pid for pid, argv in run_processes().items() if b"head" in argv and any(
+        a.endswith(b"grain.py") or a.endswith(b".pyz") for a in argv)}
+
+
+def remove_the_runs_home():
+    """The run's HOME and TMPDIR go at its end, with what its processes left there (sockets
+    of killed ones too). Those still running (a head daemon a mission started, a worker a
+    batch-system stand-in did) are killed first, and awaited: none writes there after."""
+    for pid in run_processes():
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            os.kill(pid, signal.SIGKILL)
+            select.select([fd], [], [], 15)  # readable once the process has ended
+            os.close(fd)
+    shutil.rmtree(RUN_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -1142,7 +1171,7 @@ async def test_submit_checks_its_arguments():
 
 
 @trio_test
-async def test_unpicklable_job_or_result():
+async def test_unpicklable_job_or_result(tmp_path):
     async def returns_lock():
         return (i for i in range(3))
 
@@ -1151,7 +1180,7 @@ async def test_unpicklable_job_or_result():
         with pytest.raises(TypeError, match=r"where_am_i: argument 1 \(<generator object.*"
                                             "cannot be pickled"):
             exer.submit(Cores(1), where_am_i, 1, gen)
-    w = Workers(pathlib.Path(tempfile.mkdtemp()))
+    w = Workers(tmp_path)
     try:
         async with grain.GrainExecutor(listen="tcp://127.0.0.1:0") as exer:
             w.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
@@ -1643,6 +1672,124 @@ async def test_a_crashed_heads_edge_record_is_replaced(workers, tmp_path, caplog
             assert (await exer.submit(Cores(1), where_am_i, 1))[3] == "patient"
     assert f"replacing the stale record of pid {dead.pid}" in caplog.text
     assert "stale head record" in w.log_path.read_text()
+
+
+@pytest.fixture
+def tmpdir_of_its_own(monkeypatch):
+    """A TMPDIR for one test, short enough for sockets' paths below it (tmp_path is not)."""
+    path = pathlib.Path(tempfile.mkdtemp(dir=RUN_HOME))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path)
+
+
+@trio_test
+async def test_sockets_are_in_a_private_directory_in_tmpdir(tmpdir_of_its_own, tmp_path,
+                                                            monkeypatch):
+    private = tmpdir_of_its_own / f"grain-{os.getuid()}"
+    sock = pathlib.Path(grain.mission_socket_path("edge:///x/edge"))
+    assert sock.parent == private and sock.name.startswith("head-")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    # an Edge head's socket for peers on this host is there too, not beside the Edge file
+    (tmp_path / "share").mkdir()
+    async with grain.GrainExecutor(listen=f"edge://{tmp_path}/share/edge") as exer:
+        sock = pathlib.Path(grain.parse_url(exer.urls["unix"])[2])
+        assert sock.parent == private and sock.name.startswith("edge-head-") and sock.exists()
+        assert sorted(os.listdir(tmp_path / "share")) == ["edge", "edge.lock"]
+    assert not sock.exists()
+    private.chmod(0o755)
+    with pytest.raises(grain.GrainError) as info:
+        grain.mission_socket_path("edge:///x/edge")
+    assert str(info.value) == (f"{private} must be a directory of yours that only you can read "
+                               "(mode 0700): it holds grain's sockets; remove it or chmod 700 it")
+    # a TMPDIR too long for a socket's path below it: /tmp's
+    had_tmp = os.path.isdir(f"/tmp/grain-{os.getuid()}")
+    monkeypatch.setenv("TMPDIR", str(tmpdir_of_its_own / ("d" * 60)))
+    assert os.path.dirname(grain.mission_socket_path("x")) == f"/tmp/grain-{os.getuid()}"
+    if not had_tmp:
+        os.rmdir(f"/tmp/grain-{os.getuid()}")
+
+
+@trio_test
+async def test_a_new_listener_removes_the_sockets_dead_processes_left_never_live_ones(
+        tmpdir_of_its_own, tmp_path, caplog):
+    private = tmpdir_of_its_own / f"grain-{os.getuid()}"
+    edge = f"edge://{tmp_path}/edge"
+    with caplog.at_level(logging.WARNING, logger="grain"), \
+            socket.socket(socket.AF_UNIX) as listening:
+        async with grain.GrainExecutor(listen=edge) as exer:   # a live grain listener
+            head = pathlib.Path(grain.parse_url(exer.urls["unix"])[2])
+            live, dead = private / "live.sock", private / "head-0123456789abcdef.sock"
+            listening.bind(str(live))
+            listening.listen()
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(str(dead))   # bound, never listened on: as a killed process left it
+            (listener,), _ = await grain.open_listeners(f"unix://{tmp_path}/new.sock")
+            await listener.aclose()
+            assert sorted(p.name for p in private.iterdir()) == sorted([head.name, live.name])
+            # the head, probed, answers as before, and took the probe for no attack
+            await (await grain.connect(edge, exer.key)).aclose()
+    assert "refused a connection" not in caplog.text
+
+
+def test_a_process_of_the_run_that_imports_this_file_keeps_the_runs_home(tmp_path):
+    # as a worker or a subprocess-pool process unpickling a function defined here does;
+    # killed, it leaves nothing behind
+    code = ("import os, test_grain as t; print(t.RUN_HOME, t.signal.getsignal(15) == 0, "
+            "flush=True); os.kill(os.getpid(), 9)")
+    cp = run_py("-c", code, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert cp.returncode == -9 and cp.stdout == f"{RUN_HOME} True\n", cp.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# A test run of this file, killed (SIGTERM, as a CI job's timeout does) while a head
+# daemon it started runs detached and a worker it killed left its socket.
+KILLED_RUN = textwrap.dedent("""
+    import json, os, signal, subprocess, sys
+    sys.path.insert(0, {here!r})
+    from test_grain import GRAIN, wait_for
+
+    def test_killed_while_its_processes_run():
+        edges = ["edge://" + os.environ["HOME"] + e for e in ("/a", "/b")]
+        head = subprocess.Popen([sys.executable, GRAIN, "head", "--no-config", "-a", edges[0]],
+                                start_new_session=True)   # as run() starts one
+        worker = subprocess.Popen([sys.executable, GRAIN, "worker", "--url", edges[1]])
+        private = os.path.join(os.environ["TMPDIR"], f"grain-{{os.getuid()}}")
+        wait_for(lambda: len(os.listdir(private)) == 3 if os.path.isdir(private) else False,
+                 30, "the sockets")   # the daemon's two, the worker's
+        worker.kill()
+        worker.wait()
+        with open({ready!r} + ".tmp", "w") as f:
+            json.dump({{"home": os.environ["HOME"], "head": head.pid,
+                       "sockets": os.listdir(private)}}, f)
+        os.rename({ready!r} + ".tmp", {ready!r})
+        signal.pause()
+""")
+
+
+def test_a_test_run_killed_removes_its_home_its_sockets_and_its_daemons(tmp_path):
+    ready = tmp_path / "ready"
+    (tmp_path / "test_killed.py").write_text(KILLED_RUN.format(here=HERE, ready=str(ready)))
+    # (its own home and TMPDIR, not this run's: those set above)
+    env = dict(os.environ, HOME=str(tmp_path), TMPDIR=tempfile.gettempdir())
+    killed = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "test_killed.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+    left = {}
+    try:
+        wait_for(lambda: ready.exists() or killed.poll() is not None, 60, "the run")
+        assert ready.exists(), killed.communicate()[0]
+        left = _json.loads(ready.read_text())
+        killed.send_signal(signal.SIGTERM)
+        out = killed.communicate(timeout=60)[0]
+    finally:
+        kill_all([killed])
+        if left and pid_running(left["head"]):  # (a run that did not clean up after itself)
+            os.kill(left["head"], signal.SIGKILL)
+        if left and os.path.exists(left["home"]):
+            shutil.rmtree(left["home"])
+    assert len(left["sockets"]) == 3 and "KeyboardInterrupt" in out, out
+    assert not os.path.exists(left["home"]) and not pid_running(left["head"])
 
 
 ###############################################################################
@@ -2537,16 +2684,32 @@ def test_config_errors_name_the_file_and_key(text, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+def test_a_misspelt_config_key_gets_the_nearest_known_one():
+    def error(text):
+        with pytest.raises(grain.ConfigError) as info:
+            grain.parse_config(text, "x.toml")
+        return str(info.value)
+
+    assert error("adress = 'tcp://:1'") == (
+        "x.toml: unknown key 'adress'; did you mean 'address'? (known here: address, auth_key, "
+        "contextmod, custom_system, head, report, results, script, system, tls_cert, tls_key, "
+        "worker)")
+    assert error("[head.gnaw]\nmax_con = 3").startswith(
+        "x.toml: unknown key 'head.gnaw.max_con'; did you mean 'head.gnaw.max_conn'? (known")
+    assert error("[script]\nzzz = 1").startswith("x.toml: unknown key 'script.zzz' (known")
+
+
 def test_config_error_from_the_cli_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "grain.toml"
     bad.write_text("[worker]\nnmae = 'x'\n")
     for args in (["up", "--dry"], ["ls"], ["down"]):
         cp = grain_cli(*args, "-c", str(bad))
         assert cp.returncode == 2
-        assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae' " \
-                                    "(known here: address, auth_key, cli_dial, contextmod, " \
-                                    "dial, log_file, name, reattach, report, res, results, " \
-                                    "script, specialized_type, system, tls_cert, tls_key, wrap)"
+        assert cp.stderr.strip() == f"grain.py {args[0]}: {bad}: unknown key 'worker.nmae'; " \
+                                    "did you mean 'worker.name'? (known here: address, " \
+                                    "auth_key, cli_dial, contextmod, dial, log_file, name, " \
+                                    "reattach, report, res, results, script, " \
+                                    "specialized_type, system, tls_cert, tls_key, wrap)"
     cp = grain_cli("up", "-c", str(tmp_path / "none.toml"))
     assert cp.returncode == 2 and "does not exist" in cp.stderr
     cp = grain_cli("up", "-c", str(tmp_path))
@@ -4523,8 +4686,22 @@ def test_explain_names_the_reservation():
     (why,) = p.sched.explain()
     assert why["job"].startswith("#2") and why["waited"] == grain.RESERVE_AFTER_S
     assert why["reason"] == (f"it waited over {grain.RESERVE_AFTER_S:g} s and holds worker w: "
-                             "nothing else starts there until it fits (w has CPU_Cores([1]) & "
-                             "Walltime(inf) free)")
+                             "nothing else starts there until it fits (free on w: 1 core, "
+                             "no walltime limit)")
+
+
+def test_explain_says_what_busy_workers_have_free_in_amounts():
+    p = Policy()
+    p.sched.add_worker(Recorder(Cores([0, 1]) & Memory(8), "w"))
+    p.sched.add_worker(Recorder(Cores([0, 1]) & WTime(T=3600), "v"))
+    p.push(1, 2)
+    p.push(2, 2)
+    p.push(3, 1)
+    (why,) = p.sched.explain()
+    assert why["reason"] == ("all 2 worker(s) large enough are busy: w (1 running; free: 0 "
+                             "cores, 8 GB, no walltime limit), v (1 running; free: 0 cores, "
+                             "1:00:00 of walltime); the first to free should be #1 None on w "
+                             "(running for 0:00:00, no T)")
 
 
 @trio_test
@@ -4665,7 +4842,7 @@ async def test_explain_says_why_the_oldest_job_waits_with_real_workers(workers, 
         second = exer.submit(Cores(1), pid_then_sleep, str(pidfile), 0)
         out = (await _cli("explain", "-a", url)).stdout
         assert "#2 pid_then_sleep of local" in out and "all 1 worker(s) large enough are " \
-            "busy: node (1 running, " in out, out
+            "busy: node (1 running; free: 0 cores, token 'cpu', 0:" in out, out
         assert re.search(r"the first to free should be #1 pid_then_sleep on node \(running "
                          r"for 0:00:0\d, its T ends in 0:00:5\d\)", out), out
         js = _json.loads((await _cli("ls", "--json", "-a", url)).stdout)
@@ -4715,7 +4892,7 @@ async def test_explain_names_a_reservation_held_on_a_real_worker(workers, tmp_pa
                     await trio.sleep(0.05)
             assert "#2 pid_then_sleep of local, waiting" in out, out
             assert "it waited over 0.2 s and holds worker node: nothing else starts there " \
-                "until it fits (node has CPU_Cores([" in out, out
+                "until it fits (free on node: 1 core, token 'cpu', 0:" in out, out
             scope.cancel()
 
 
@@ -5172,6 +5349,35 @@ def test_a_mission_refused_by_an_in_process_head_says_why(tmp_path):
     assert "runs a mission of its own" in cp.stderr and "local=" in cp.stderr
 
 
+def test_a_started_head_daemon_logs_beside_the_edge_file_and_its_first_line_says_so(
+        tmp_path, workers):
+    share, work = tmp_path / "share", tmp_path / "work"
+    share.mkdir()
+    work.mkdir()
+    edge = f"edge://{share}/edge"
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'address = "{edge}"\n')
+    workers.start("--url", edge, "--res", '{"Cores": {"N": 1}}', name="w")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r})
+        from grain.delayed import delayed, run
+        from grain.resource import Cores
+        @delayed
+        async def one():
+            return 1
+        async def main():
+            return await (one @ Cores(1))()
+        print(run(main, config_file={str(cfg)!r}, progress=False))
+    """)
+    cp = run_py("-c", code, cwd=work)
+    assert cp.returncode == 0 and cp.stdout == "1\n", cp.stderr
+    (log,) = share.glob("grain-head-*.log")
+    assert re.fullmatch(rf"started a head daemon \(pid \d+\) for {re.escape(edge)}; its log: "
+                        rf"{re.escape(str(log))}", cp.stderr.splitlines()[0]), cp.stderr
+    assert list(work.iterdir()) == []
+    assert grain_cli("stop", "-c", str(cfg)).returncode == 0
+
+
 def test_a_mission_with_the_daemon_disabled_is_its_own_head(tmp_path, workers):
     edge = f"edge://{tmp_path}/edge"
     cfg = tmp_path / "grain.toml"
@@ -5284,7 +5490,7 @@ def test_mission_logs_time_elapsed(caplog):
         run(main, config_file=False)
     assert any(r.getMessage().startswith("Time elapsed for all jobs: ")
                for r in caplog.records)
-    assert "Config file is disabled, using default settings." in caplog.text
+    assert "Config file is disabled" not in caplog.text  # (news at debug level only)
 
 
 def test_the_last_line_counts_what_workers_measured_and_says_what_did_not_end():
@@ -5879,6 +6085,17 @@ def test_run_accepts_rpw_alias_and_rejects_both():
         run(main, local=Cores(1), rpw=Cores(1))
 
 
+def test_a_resource_argument_that_is_not_one_is_named_as_written():
+    async def main():
+        pass
+
+    for call, said in [(lambda: run(main, local=4), "run(): local="),
+                       (lambda: run(main, rpw=4, config_file=False), "rpw=")]:
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == f"{said} must be a Resource such as Cores(4), got 4"
+
+
 @trio_test
 async def test_failed_delayed_job_raises_original_type():
     @delayed
@@ -5945,6 +6162,19 @@ def test_worker_bad_input(args, message):
     assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
 
 
+def test_a_worker_asked_for_more_cores_or_gpus_than_it_has_names_oversubscribe():
+    allowed = sorted(os.sched_getaffinity(0))
+    way_out = "; --oversubscribe offers more, as virtual ids (for tests and benchmarks)\n"
+    cp = grain_cli("worker", "--res", '{"Cores": {"N": 9999}}')
+    assert cp.returncode == 2 and cp.stderr == (
+        f"grain.py worker: --res asks for 9999 cores but this process may use only "
+        f"{len(allowed)} ({grain._fmt_ids(allowed)}){way_out}")
+    cp = grain_cli("worker", "--res", '{"Gpus": {"N": 99}}')
+    assert cp.returncode == 2 and cp.stderr.startswith(
+        "grain.py worker: --res asks for 99 GPU(s) but this machine shows ")
+    assert cp.stderr.endswith(way_out) and cp.stderr.count("\n") == 1
+
+
 def test_worker_without_a_head_at_a_tcp_address():
     cp = grain_cli("worker", "--url", "tcp://127.0.0.1:1")
     assert cp.returncode == 1 and "Traceback" not in cp.stderr
@@ -5960,7 +6190,9 @@ def test_a_worker_stopped_while_it_waits_for_a_head_takes_its_edge_record_back(w
     while not (edge.exists() and _json.loads(edge.read_text() or "{}").get("dialer")):
         assert time.monotonic() < deadline and w.poll() is None, w.log_path.read_text()
         time.sleep(0.05)  # (polling another process's file: nothing to await)
-    (sock,) = tmp_path.glob("edge.worker-*.sock")
+    sock = pathlib.Path(grain.parse_url(
+        _json.loads(edge.read_text())["dialer"][0]["urls"]["unix"])[2])
+    assert sock.parent == pathlib.Path(grain.private_dir()) and sock.exists()
     w.send_signal(signal.SIGTERM)
     assert w.wait(15) == 0
     assert _json.loads(edge.read_text())["dialer"] == [] and not sock.exists()
@@ -6962,6 +7194,41 @@ def test_requires_python_specifiers():
 ###############################################################################
 # CLI #########################################################################
 ###############################################################################
+
+
+def test_without_a_config_file_only_verbose_says_so(tmp_path):
+    nobody = ("grain.py ls: no head is listening at tcp://127.0.0.1:1 (given with -a; no key "
+              "file at {} either: a head makes its key when it starts)\n")
+    key = tmp_path / "no-key"
+    cp = grain_cli("ls", "-a", "tcp://127.0.0.1:1", "--key", str(key), cwd=tmp_path)
+    assert cp.returncode == 1 and cp.stderr == nobody.format(key)
+    cp = grain_cli("-v", "ls", "-a", "tcp://127.0.0.1:1", "--key", str(key), cwd=tmp_path)
+    assert cp.returncode == 1 and cp.stderr == ("No config file (./grain.toml or $GRAIN_CONFIG); "
+                                                "using default settings.\n" + nobody.format(key))
+    # a mission says nothing of it either
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); from grain.delayed import run\n"
+            "from grain.resource import ZERO\nasync def main(): pass\n"
+            "run(main, local=ZERO, address=False, progress=False)")
+    cp = run_py("-c", code, cwd=tmp_path)
+    assert cp.returncode == 0 and cp.stderr.startswith("Time elapsed for all jobs: "), cp.stderr
+    # a GRAIN_CONFIG naming no file is an error naming it
+    env = dict(os.environ, GRAIN_CONFIG=str(tmp_path / "none.toml"))
+    cp = grain_cli("ls", cwd=tmp_path, env=env)
+    assert cp.returncode == 2
+    assert cp.stderr == f"grain.py ls: GRAIN_CONFIG={tmp_path}/none.toml: no such file\n"
+
+
+def test_a_misspelt_command_gets_the_nearest_one():
+    commands = ("worker, ls, explain, quit, head, bridge, stop, scale, up, down, pack, start, "
+                "results")
+    for argv, line in [(["lss"], "grain.py: unknown command 'lss'; did you mean 'ls'?"),
+                       (["-v", "explian", "-a", "x"], "grain.py: unknown command 'explian'; "
+                                                      "did you mean 'explain'?"),
+                       (["frobnicate"], "grain.py: unknown command 'frobnicate'")]:
+        cp = grain_cli(*argv)
+        assert cp.returncode == 2 and cp.stdout == ""
+        assert cp.stderr == f"{line} (commands: {commands})\n"
+    assert grain_cli("-v").returncode == 0  # (no command: the help)
 
 
 def test_ls_watch_redraws_until_interrupted(tmp_path):
