@@ -2160,7 +2160,7 @@ def _frames_of(msgs, most):
 # sends it to whom. A message is the tuple ``(name, *fields)``.
 MESSAGES = {
     # the first message of a connection, and the answers to it
-    "register": ("info",),                   # worker -> head: name, res, pid, host, job_id
+    "register": ("info",),                   # worker -> head: name, res, pid, host, ...
     "mission": ("info",),                    # mission -> head daemon: name, pid, host, ...
     "cli": ("command", "*args"),             # CLI -> head
     "assign": ("res",),                      # head -> a passive worker it dialled
@@ -4908,8 +4908,9 @@ class ResultStore:
     def __init__(self, path):
         self.path = os.path.abspath(path)
         self.holder = self.path + ".holder"
-        # key -> "done" | "failed" | "running": the entries found on opening (the jobs of
-        # this run are not added: a key is asked for once a run, before it is recorded)
+        # key -> "done" | "failed" | the worker a "running" entry names (None: not known):
+        # the entries found on opening (the jobs of this run are not added: a key is asked
+        # for once a run, before it is recorded)
         self.states = {}
         self._rowids = {}    # key -> the rowid of its entry, as found on opening
         # Rows to write, their fields in one flat list (_STORE_FIELDS a row): tuples that
@@ -4948,7 +4949,8 @@ class ResultStore:
                 raise GrainError(f"results store {self.path} is of format {self._format()} "
                                  f"(this grain.py reads {STORE_FORMAT})")
             for key, state, rowid in self._db.execute(
-                    "SELECT key, state, rowid FROM results_log ORDER BY rowid"):
+                    "SELECT key, CASE state WHEN 'running' THEN value ELSE state END, rowid "
+                    "FROM results_log ORDER BY rowid"):
                 self._replaced += key in self.states
                 self.states[key], self._rowids[key] = state, rowid
             self._rows = len(self._rowids) + self._replaced
@@ -5193,13 +5195,13 @@ class MissionResults:
         self.rerun_failed = rerun_failed
         self._functions = _FunctionKeys()
         self._counts, self._unkeyable = {}, set()
-        self._sent = {}  # wire -> function of jobs sent to a worker process since the last write
+        self._sent = {}  # wire -> job sent to a worker process since the last write
 
     def known(self, job):
-        """Key ``job``; "stored" when its result is stored already (then it is not to run),
-        "running" when it was, or may have been, running when the last run of this mission
-        ended: the last run died, and a job it sent within STORE_FLUSH_S of its death has
-        no entry yet, though its worker may still run it."""
+        """Key ``job``; "stored" when its result is stored already (then it is not to run).
+        Else, when the last run of this mission died, the worker that may still run it: the
+        one its "running" entry names, or True, any (a job sent within STORE_FLUSH_S of
+        that death has no entry yet)."""
         fn = job.fn
         try:
             material = key_material(self._functions[fn][0], job.args, job.kwargs, job.req)
@@ -5219,18 +5221,16 @@ class MissionResults:
             return None
         job.wire = wire = _key_text((material, n))
         state = store.states.get(wire)
-        if state is None:  # (a new job: the common case)
-            return "running" if store.crashed else None
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
-        return state if state == "running" else None
+        return store.crashed and state != "failed" and (state or True)
 
     def running(self, job):
         """Remember that ``job`` goes to a worker process (it may outlive this run, which
         knows it by its key's text): it is stored as "running" at the next write, unless it
         has ended by then."""
         job.wire = _key_text(job.wire)
-        self._sent[job.wire] = job.fn
+        self._sent[job.wire] = job
 
     async def fetch(self, job):
         """``(value, error, kind)`` stored for a known job."""
@@ -5263,8 +5263,8 @@ class MissionResults:
         while True:
             await trio.sleep(STORE_FLUSH_S)
             sent, self._sent = self._sent, {}
-            for wire, fn in sent.items():
-                self.store.record(wire, self._functions[fn][1], "running")
+            for wire, job in sent.items():  # (and where: see known)
+                self.store.record(wire, self._functions[job.fn][1], "running", job.worker.ident)
             rows = self.store.take()
             try:
                 await self.store.send(rows)
@@ -5312,6 +5312,7 @@ class Worker:
     channel = None    # the connection to its process, if it has one
     pid = host = None
     via = None        # met through a bridge: how ("relayed through bridge HOST:PORT")
+    ident = None      # who it is to the next head, if it may come back to one (Reunion)
 
     def __init__(self, owner, res, name):
         self.owner, self.name = owner, name
@@ -6014,9 +6015,11 @@ class Reunion:
     head daemon died and another started, or a mission that was its own head was run
     again. A worker that comes back reports, by wire id, the jobs it still runs and the
     results of those that ended while it was alone; the owner offers it the jobs it has.
-    A job that was (or may have been) running when the old head went is held for
-    REJOIN_WAIT_S after this head started, in case its worker comes back; a job a worker
-    comes back with that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
+    A job that was (or may have been) running when the old head went is held, for
+    REJOIN_WAIT_S after this head started at most, while its worker may still come back:
+    the worker it ran on, or (True) any of the ``expected`` ones, the old head's; once
+    they came back without it, it is queued (``push``). A job a worker comes back with
+    that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
     comes first, the job or its worker's report, the other finds it: a report finds a job
     that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
     (Only string wire ids outlive a head: a store's keys, a mission's token and id. A
@@ -6027,26 +6030,50 @@ class Reunion:
     def __init__(self, deliver, clock=_now, claim=lambda wire: None):
         self.deliver, self.clock, self.claim = deliver, clock, claim
         self.held = {}           # wire -> job waiting for its worker to come back
+        self.held_for = {}       # worker (True: any expected) -> the jobs held for it
+        self.expected = {True}   # the workers the old head had (not known: one never back)
+        self.back = set()        # the workers that came back
+        self.reported = set()    # the wires of the jobs they came back with or ended
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.failed = {}         # wire -> a failure reported while jobs are held (see below)
-        self.own_hold = set()    # wires of jobs held with a hold of their own (job_held)
+        self.own_held = {}       # wire -> job held with a hold of its own (job_held)
         self.hold_until = clock() + REJOIN_WAIT_S
 
-    def offer(self, job, hold=False):
+    def offer(self, job, hold=None):
         """True when ``job`` is taken care of here: its result came back, its worker still
-        runs it, or it is held (``hold``: it was running when the last head went)."""
+        runs it, or it is held (``hold``: the worker it was running on when the last head
+        went, True: any expected one) while that worker may come back with it."""
         wire = job.wire
         if wire in self.finished:
             self.deliver(job, *self.finished.pop(wire)[0])
         elif wire in self.running:
             w, _ = self.running.pop(wire)
             _adopt(job, w, w.orphans.pop(wire))
-        elif hold and self.clock() < self.hold_until:
+        elif hold and self.clock() < self.hold_until and (wire in self.reported or
+                                                          self._away(hold)):
             self.held[wire] = job
+            self.held_for.setdefault(hold, []).append(job)
         else:
             return False
         return True
+
+    def _away(self, hold):
+        """May the worker ``hold`` (True: any expected) still come back?"""
+        return not (self.expected if hold is True else {hold}) <= self.back
+
+    def worker_back(self, worker, reported):
+        """``worker`` came back with the jobs ``reported`` (running, or ended: their results
+        follow). The jobs held for it that it does not have are queued now; so are those
+        held for any expected worker once all came back."""
+        self.back.add(worker)
+        self.reported.update(reported)
+        for hold in (worker, True):
+            if not self._away(hold):
+                for job in self.held_for.pop(hold, ()):
+                    if self.held.get(job.wire) is job and job.wire not in self.reported:
+                        del self.held[job.wire]
+                        self.push(job)
 
     def worker_runs(self, w, wire, alloc, ours=False):
         """A worker came back still running the job ``wire`` with ``alloc`` (``ours``: to
@@ -6082,8 +6109,8 @@ class Reunion:
         """The job ``wire`` if it waits here, held or queued (taken out), else None. A
         number is only this head's own (``ours``), held by job_held."""
         if type(wire) is not str:
-            return self.held.pop(wire, None) if ours and wire in self.own_hold else None
-        return self.held.pop(wire, None) or self.claim(wire)
+            return self.own_held.pop(wire, None) if ours else None
+        return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
 
     def adopted(self, wire):
         """The job ``wire``, which a worker came back with, was started there again: it is
@@ -6095,19 +6122,27 @@ class Reunion:
             self.running.pop(wire, None)
 
     async def run(self, push):
-        """At hold_until, queue the held jobs (``push``): their workers did not come back.
-        Then cancel the jobs that workers came back with and no one claimed in time, and
-        forget such results."""
+        """At hold_until, queue the held jobs (``push``), telling their queues of those
+        whose workers did not come back. Then cancel the jobs that workers came back with
+        and no one claimed in time, and forget such results."""
+        self.push = push
         await trio.sleep(max(0.0, self.hold_until - self.clock()))
         failed, self.failed = self.failed, {}
         for wire, result in failed.items():  # no worker had a success for these
             self.worker_finished(wire, result)
-        held = [job for wire, job in self.held.items() if wire not in self.own_hold]
-        if held:
-            log.warning("%d job(s) that were running when the last head went run again: "
-                        "their worker did not come back within %g s", len(held), REJOIN_WAIT_S)
-        for job in held:
-            del self.held[job.wire]
+        held, self.held = self.held, {}
+        away = {}  # (queue, held for any worker) -> the workers its held jobs wait for
+        for hold, jobs in self.held_for.items():
+            for job in jobs:
+                if held.get(job.wire) is job:
+                    away.setdefault((job.queue, hold is True), []).append(hold)
+        self.held_for = {}
+        for (queue, anyone), holds in away.items():
+            what = "may have been running" if anyone else \
+                f"were running on {', '.join(sorted(set(holds)))}"
+            queue.warn(f"{len(holds)} job(s) that {what} when the last head went run again: "
+                       f"no worker came back with them within {REJOIN_WAIT_S:g} s")
+        for job in held.values():
             push(job)
         while True:
             await trio.sleep(ORPHAN_WAIT_S / 10)
@@ -6196,15 +6231,12 @@ class HeadCore:
         (Reunion), else interrupted as lost."""
         w = self.scheduler.release(job)
         job.attempts -= 1  # (counted again when the worker comes back with it)
-        self.reunion.held[job.wire] = job
-        self.reunion.own_hold.add(job.wire)
+        self.reunion.own_held[job.wire] = job
         self._tasks.start_soon(self._release_held, job, w, why)
 
     async def _release_held(self, job, w, why):
         await trio.sleep(REJOIN_WAIT_S)
-        self.reunion.own_hold.discard(job.wire)
-        if self.reunion.held.get(job.wire) is job:
-            del self.reunion.held[job.wire]
+        if self.reunion.own_held.pop(job.wire, None) is job:
             job.attempts += 1
             self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
             self.pump()
@@ -6319,14 +6351,19 @@ class HeadService:
         if self.job_book is not None and info.get("job_id"):
             await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
         w.ours = info.get("head") == self.owner.instance
+        if info.get("reattach", 1):
+            w.ident = f"{w.name} (pid {w.pid} on {w.host})"
         w.channel.send(("head", self.owner.instance))
+        resume = info.get("resume") or {}
         try:
-            for wire, alloc in (info.get("resume") or {}).items():  # it ran them while alone
-                self.owner.reunion.worker_runs(w, wire, alloc, w.ours)
+            for wire, alloc in resume.items():  # it ran them while alone (None: it ended)
+                if alloc is not None:
+                    self.owner.reunion.worker_runs(w, wire, alloc, w.ours)
         except PeerError as e:  # the jobs adopted from it so far go back to the queue
             self.owner.reunion.worker_left(w)
             w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
             raise
+        self.owner.reunion.worker_back(w.ident, resume)
         self.owner.add_worker(w)
         log.info("worker %s %s from %s (pid %s) with %r", w.name,
                  "came back" if info.get("resume") is not None else "joined", channel.peer,
@@ -7107,8 +7144,8 @@ class GrainExecutor(HeadCore):
             if state == "stored":  # done before: not again
                 self._nursery.start_soon(self._complete_stored, job)
                 return
-            # held while its worker may come back (none can, to a mission listening nowhere)
-            if self.reunion.offer(job, hold=state == "running" and not self._workers_fixed):
+            # held while its worker may come back (only to a head listening for workers)
+            if self.reunion.offer(job, hold=self.listen and state):
                 return
         if self._workers_fixed and (why := self.scheduler.too_large(job)):  # never to run
             self.complete(job, None, GrainError(f"{why}, and no other worker can join this "
@@ -7250,6 +7287,10 @@ class GrainExecutor(HeadCore):
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
         self.start(self._nursery, self._queue)
+        if self.stored is not None and self.stored.store.crashed:  # the workers its last
+            # run's "running" entries name: its jobs may be held for them (see _enqueue)
+            self.reunion.expected = set(self.stored.store.states.values()) - {
+                "done", "failed", None}
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
         if rt is not None:
@@ -8026,7 +8067,9 @@ class WorkerProcess:
                 self.res = res if res is not None else await self._assigned(channel)
                 self._nursery.start_soon(self._watch_walltime)
             else:
-                hello["resume"] = {jid: alloc for jid, (_, alloc) in self.running.items()}
+                # the jobs it runs, and those whose results follow (None)
+                hello["resume"] = dict.fromkeys(m[1] for m in self.outbox if m[0] == "done")
+                hello["resume"].update((jid, alloc) for jid, (_, alloc) in self.running.items())
                 hello["head"] = self.head
             channel.send(("register", dict(hello, res=self.res)))
             log.info("worker %s %s with %r", self.name,
@@ -8210,12 +8253,13 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
     # Its batch job, as the submit command named it, so the head knows which submission
     # has joined.
     job_id = batch_job()[1]
-    hello = {"name": name or (f"{hostname()}-{job_id}" if job_id else hostname()),
-             "pid": os.getpid(), "host": hostname(), "job_id": job_id, "sworker": None}
-    provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
     # A passive worker waits to be dialled: no new head would; a specialized worker's
     # jobs ran in its head, and went with it.
     reattach = 0.0 if listen or sworker else reattach
+    hello = {"name": name or (f"{hostname()}-{job_id}" if job_id else hostname()),
+             "pid": os.getpid(), "host": hostname(), "job_id": job_id, "sworker": None,
+             "reattach": reattach}
+    provider = None if listen else _fit_allocation(worker_provider(res, oversubscribe))
     async with contextlib.AsyncExitStack() as stack:
         if sworker is not None:
             module = load_module(sworker, "--sworker")

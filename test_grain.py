@@ -4012,13 +4012,13 @@ def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path, capl
     taken = grain.ResultStore(path).open()
     taken.close()
     # ... and then a job it has no entry for may have been running (sent within
-    # STORE_FLUSH_S of its death): held for its worker, as one with a "running" entry
+    # STORE_FLUSH_S of its death) on any of its workers: held for them (True)
     assert taken.crashed
     results = grain.MissionResults(str(path))
     results.store = taken
-    assert results.known(grain.Job(1, Cores(1), len, (), {})) == "running"
+    assert results.known(grain.Job(1, Cores(1), len, (), {})) is True
     taken.crashed = False
-    assert results.known(grain.Job(2, Cores(1), len, ("x",), {})) is None
+    assert not results.known(grain.Job(2, Cores(1), len, ("x",), {}))
     # ... but not by a mission no worker can come back to (it listens nowhere)
     (tmp_path / "r.db.holder").write_text(_json.dumps({"host": grain.hostname(),
                                                         "pid": 2 ** 22 + 1, "since": 0}))
@@ -5091,6 +5091,27 @@ async def test_a_malformed_registration_is_refused_and_costs_no_job():
 
 
 @trio_test
+async def test_a_worker_is_named_to_the_next_head_only_if_it_may_come_back(autojump_clock):
+    # The "running" entries of a mission's store name the worker of each job, and a run
+    # after a crash holds those jobs for it. A worker that waits for a new head when its
+    # head dies (worker.reattach) is named; one that does not (--reattach 0, a passive
+    # worker) is not: no job waits for it.
+    daemon = grain.HeadDaemon("tcp://127.0.0.1:0", b"k" * 32)
+    async with trio.open_nursery() as nursery:
+        for reattach, ident in [(600.0, "w (pid 7 on h)"), (0.0, None)]:
+            head_side, worker_side = trio.testing.memory_stream_pair()
+            nursery.start_soon(daemon.service.handle_connection, head_side, "fake-peer")
+            info = {"name": "w", "res": Cores(1), "pid": 7, "host": "h", "reattach": reattach}
+            await worker_side.send_all(grain.encode_frame(grain.dumps_control(("register",
+                                                                                info))))
+            await trio.testing.wait_all_tasks_blocked()
+            assert [w.ident for w in daemon.scheduler.workers] == [ident]
+            await worker_side.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not daemon.scheduler.workers
+
+
+@trio_test
 async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojump_clock):
     # The job ends just as the head's connection closes: before or after the worker sees
     # it close (trio runs the two in either order). Either way the next head gets it.
@@ -5143,7 +5164,7 @@ async def test_held_jobs_run_again_and_unclaimed_ones_are_cancelled(autojump_clo
     pushed = []
     reunion = grain.Reunion(None, clock=trio.current_time)
     w = _returning_worker()
-    j = grain.Job(1, Cores(1), None, (), {})
+    j = grain.Job(1, Cores(1), None, (), {}, grain.JobQueue("m"))
     j.wire = "held"
     assert reunion.offer(j, hold=True)
     reunion.worker_runs(w, "nobody's", Cores([0]))
@@ -5301,6 +5322,92 @@ def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
     assert reunion.finished["gone"][0] == (True, b"w", 1.0, None)
 
 
+@pytest.mark.parametrize("back_first", [False, True], ids=["back-after-the-rerun-starts",
+                                                          "back-before-the-rerun-starts"])
+@trio_test
+async def test_a_new_head_holds_a_job_only_while_its_worker_may_come_back(autojump_clock,
+                                                                         caplog, back_first):
+    # A mission that was its own head died: worker wr still runs "runs", ran "ended" while
+    # alone, and lost "lost", which its store entry says ran there; "local" has no entry
+    # (it ran in the mission's own process, which died with it, or it was queued); "new"
+    # never ran. Run again, it holds only what wr may come back with, and only until wr
+    # comes back, before its jobs are offered or after: the rest start then, not
+    # REJOIN_WAIT_S later, and nothing warns that a worker did not come back.
+    sched = grain.Scheduler(clock=trio.current_time)
+    queue = grain.JobQueue("m")
+    sched.add_queue(queue)
+    delivered, pushed = [], []
+    reunion = grain.Reunion(lambda job, *result: delivered.append(job.wire),
+                            clock=trio.current_time, claim=sched.claim)
+    reunion.expected = {"wr"}   # (the workers the store's "running" entries name)
+    w = _returning_worker()
+    jobs = {}
+
+    def wr_comes_back():
+        reunion.worker_runs(w, "runs", Cores([0]))
+        reunion.worker_back("wr", {"runs": Cores([0]), "ended": None})  # (None: result follows)
+
+    def push(job):
+        pushed.append((trio.current_time() - t0, job.wire))
+        sched.push(job)
+
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
+            nursery.start_soon(reunion.run, push)
+            await trio.sleep(1)
+            if back_first:
+                wr_comes_back()
+            for wire, hold in [("runs", "wr"), ("ended", "wr"), ("lost", "wr"),
+                               ("local", True), ("new", False)]:
+                jobs[wire] = job = grain.Job(wire, Cores(1), None, (), {}, queue)
+                job.wire = wire
+                if not reunion.offer(job, hold):
+                    sched.push(job)
+            await trio.sleep(1)
+            if not back_first:
+                wr_comes_back()
+            reunion.worker_finished("ended", (True, b"v", 1.0, None))   # (what followed)
+            await trio.sleep(grain.REJOIN_WAIT_S)
+            nursery.cancel_scope.cancel()
+    assert jobs["runs"].worker is w and delivered == ["ended"]    # found, not run again
+    assert sorted(job.wire for job in queue.jobs) == ["local", "lost", "new"]
+    assert pushed == ([] if back_first else [(2, "lost"), (2, "local")])   # not at 10 s
+    assert not reunion.held and not caplog.records
+
+
+@trio_test
+async def test_a_new_head_warns_of_the_jobs_whose_worker_did_not_come_back_only(
+        autojump_clock, caplog):
+    # Of the two workers the last head had, wr comes back (without the job it ran) and
+    # gone never does: its job waits REJOIN_WAIT_S for it, as does one without an entry
+    # (the last head may have sent it to gone just before it died). The warning names
+    # gone, counts the job that ran there, says the other may have, and never names wr.
+    queue = grain.JobQueue("m")
+    reunion = grain.Reunion(None, clock=trio.current_time)
+    reunion.expected = {"wr", "gone"}
+    pushed = []
+    with caplog.at_level(logging.WARNING, logger="grain"):
+        async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
+            nursery.start_soon(reunion.run,
+                               lambda job: pushed.append((trio.current_time() - t0, job.wire)))
+            for wire, hold in [("on wr", "wr"), ("on gone", "gone"), ("no entry", True)]:
+                job = grain.Job(wire, Cores(1), None, (), {}, queue)
+                job.wire = wire
+                assert reunion.offer(job, hold)
+            await trio.sleep(2)
+            reunion.worker_back("wr", {})
+            await trio.sleep(grain.REJOIN_WAIT_S)
+            nursery.cancel_scope.cancel()
+    assert pushed == [(2, "on wr"), (10, "on gone"), (10, "no entry")]
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 job(s) that were running on gone when the last head went run again: no worker "
+        "came back with them within 10 s",
+        "1 job(s) that may have been running when the last head went run again: no worker "
+        "came back with them within 10 s"]
+
+
 @pytest.mark.parametrize("unflushed", [True, False], ids=["before-the-store-wrote",
                                                           "after-the-store-wrote"])
 def test_a_mission_its_own_head_killed_and_run_again_takes_its_jobs_back(tmp_path, workers,
@@ -5310,6 +5417,76 @@ def test_a_mission_its_own_head_killed_and_run_again_takes_its_jobs_back(tmp_pat
     out, ran = own_head_mission_killed_then_run_again(tmp_path, workers, unflushed)
     assert _json.loads(out) == [0, 1, 4, 9]
     assert [job for job, _ in ran] == ["0", "1", "2", "3"]   # each ran once, in all
+
+
+RESUMED_MISSION = textwrap.dedent("""
+    import json, os, sys, time, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def work(i):
+        with open({runs!r}, "a") as f:   # a line a run of a job: which, where, when
+            f.write(f"{{i}} {{os.getpid()}} {{time.time()}}\\n")
+        await trio.sleep(3)
+        return i
+
+    async def main():
+        print(time.time(), flush=True)   # from now on its jobs may start
+        return await each((work @ Cores(1))(i) for i in range(8))
+
+    print(json.dumps(run(main, local=Cores(2), address={edge!r}, results={store!r},
+                         config_file=False)))
+""")
+
+
+def test_a_mission_its_own_head_run_again_starts_at_once_what_no_worker_comes_back_with(
+        tmp_path, workers):
+    """kill -9 of a mission that is its own head, with 2 cores of its own, worker wr's 2
+    and a store, while 4 of its 8 jobs run; run again, it holds wr's 2 for wr, which
+    comes back with them, and starts the others without waiting REJOIN_WAIT_S: the 2 that
+    ran in its own process (they died with it) and the 4 that were queued. (All 6 waited
+    10 s, and a warning said their worker did not come back, though wr had.)"""
+    runs, edge, store = tmp_path / "runs", f"edge://{tmp_path}/edge", tmp_path / "own.db"
+    script = tmp_path / "mission.py"
+    script.write_text(RESUMED_MISSION.format(here=HERE, runs=str(runs), edge=edge,
+                                             store=str(store)))
+    wr = workers.start("--url", edge, "--res", '{"Cores": {"N": 2}}', "--reattach", "2m",
+                       name="wr")
+
+    def running_entries():
+        with contextlib.closing(sqlite3.connect(store)) as db:
+            return db.execute("SELECT value FROM results_log WHERE state = 'running'"
+                              ).fetchall()
+
+    first = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: runs.exists() and len(runs.read_text().splitlines()) == 4, 60,
+                 "4 jobs to start")
+        wait_for(lambda: store.exists() and len(running_entries()) == 2, 10,
+                 "the store to say where 2 run")
+        entries = running_entries()
+    finally:
+        first.kill()
+        first.wait()
+    again = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    began, out = again.stdout.split("\n", 1)
+    assert _json.loads(out) == list(range(8))
+    ran = [line.split() for line in runs.read_text().splitlines()]
+    assert [pid for _, pid, _ in ran[:4]].count(str(wr.pid)) == 2
+    started_again = [float(t) - float(began) for _, _, t in ran[4:]]
+    assert len(started_again) == 6 and max(started_again) < grain.REJOIN_WAIT_S, started_again
+    assert min(started_again) < grain.REJOIN_WAIT_S / 4, started_again
+    once = {i: 1 if pid == str(wr.pid) else 2 for i, pid, _ in ran[:4]}
+    assert _runs(runs) == {i: once.get(str(i), 1) for i in range(8)}   # wr's: once in all
+    assert again.stderr.count("worker wr came back") == 1, again.stderr
+    assert "came back with them" not in again.stderr, again.stderr   # (the warning)
+    # (the entries named the worker each ran on: the run after held them for it)
+    assert entries == [(f"wr (pid {wr.pid} on {grain.hostname()})",)] * 2
 
 
 ###############################################################################
@@ -6494,10 +6671,11 @@ async def test_a_prioritized_mission_goes_first_on_the_clock(autojump_clock):
 
 
 @trio_test
-async def test_a_mission_hands_its_jobs_to_the_next_daemon_on_the_clock(autojump_clock):
+async def test_a_mission_hands_its_jobs_to_the_next_daemon_on_the_clock(autojump_clock, caplog):
     # The daemon dies 5 s into a job of 60 s, its worker with it. The mission attaches to
     # the next daemon, which holds the job REJOIN_WAIT_S for that worker, then runs it on
-    # its own worker: the result comes 5 + 10 + 60 s after the start.
+    # its own worker: the result comes 5 + 10 + 60 s after the start. The mission is told
+    # why it waited, as a mission that is its own head would be (it was not told).
     daemons = []
 
     async def attach():
@@ -6523,6 +6701,36 @@ async def test_a_mission_hands_its_jobs_to_the_next_daemon_on_the_clock(autojump
                 assert await job is None     # (what the fake worker sends)
             assert trio.current_time() - t0 == grain.REJOIN_WAIT_S + 65
         assert [t - t0 for t, _, _ in daemons[1].started] == [grain.REJOIN_WAIT_S + 5]
+        nursery.cancel_scope.cancel()
+    told = "1 job(s) that may have been running when the last head went run again: no " \
+        "worker came back with them within 10 s"
+    assert told in [r.getMessage() for r in caplog.records]   # (the mission's, as said)
+
+
+@trio_test
+async def test_a_mission_run_again_through_the_head_daemon_holds_none_of_its_jobs(
+        autojump_clock, tmp_path):
+    # Its last run died holding its store; the head daemon it was attached to stayed (and
+    # stopped that run's jobs): no worker can come back to the mission with them, so the
+    # job goes to the daemon, and starts, at once (it waited REJOIN_WAIT_S).
+    path = tmp_path / "r.db"
+    (tmp_path / "r.db.holder").write_text(_json.dumps({"host": grain.hostname(),
+                                                        "pid": 2 ** 22 + 1, "since": 0}))
+
+    async def attach():
+        return d._peer("mission")
+
+    async with trio.open_nursery() as nursery:
+        d = InProcessDaemon(nursery)
+        d.worker(cores=1, seconds=5)
+        setup = grain.MissionSetup(attach=attach, info={"name": "m"})
+        async with grain.GrainExecutor(key=b"k" * 32, mission=setup,
+                                       results=str(path)) as exer:
+            assert exer.stored.store.crashed
+            t0 = trio.current_time()
+            with trio.fail_after(100):
+                assert await exer.submit(Cores(1), _square, 3) is None
+        assert [t - t0 for t, _, _ in d.started] == [0]
         nursery.cancel_scope.cancel()
 
 
