@@ -987,6 +987,12 @@ def _part(res, kind):
     return res._parts().get(kind) if type(res) is ResourceSet else None
 
 
+def _cores_of(res):
+    """The cores ``res`` holds or asks for (0: none, or no ``res``)."""
+    c = _part(res, "Cores") if res is not None else None
+    return c.N if c is not None else 0
+
+
 def request_text(req):
     """A request as the code that makes it, ``Cores(N=4) & Memory(M=8)``, for `ls` and
     explain: its repr, upstream's, names core ids (``CPU_Cores([0-3])``), which reads as
@@ -1934,7 +1940,8 @@ def unpickle_result(job, ok, data):
 # opened only by missions and workers.
 
 FRAME_HEADER = struct.Struct("!I")  # 4-byte big-endian payload length
-AUTH_MAGIC = b"GRAIN\x04\r\n"  # 8 bytes: protocol name and version (4: a pickle a write)
+AUTH_MAGIC = b"GRAIN\x05\r\n"  # 8 bytes: protocol name and version (5: a daemon says when
+# each job starts and what workers it has)
 AUTH_NONCE = 32                 # bytes of randomness each side contributes
 AUTH_PROOF = 32                 # bytes of an HMAC-SHA256 digest
 WRITE_MESSAGES = 1024           # messages of one write at most: a backlog goes out in many,
@@ -2171,12 +2178,14 @@ MESSAGES = {
     "fn": ("digest", "data", "[name]"),      # a job function, sent once per peer
     "job": ("ref", "req", "digest", "payload", "[resumed]"),  # mission -> head daemon
     "run": ("jid", "digest", "payload", "alloc", "T"),   # head -> worker
+    "started": ("ref",),                     # head daemon -> mission: a worker took it
     "done": ("jid", "ok", "data", "duration", "[kind]"),  # worker -> head -> mission
     "cancel": ("jid",),                      # head -> worker: nobody wants it any more
     "cancelled": ("jid",),                   # worker -> head: it stopped
     # lifetime
     "ping": (),                              # both ways, every HEARTBEAT_S
     "warn": ("text",),                       # head daemon -> mission: for its user
+    "workers": ("count", "cores"),           # head daemon -> mission: what it has joined
     "fin": (),                               # head -> worker: leave after your jobs
     "drain": (),                             # head -> worker: take no more, then leave
     "leave": (),                             # head -> worker: stop your jobs and leave now
@@ -5321,6 +5330,7 @@ class Worker:
             res = res & WTime()
         self.res = res.copy()          # free resources; allocation mutates this copy
         self.total = res.copy()        # for display, and to tell what could ever fit
+        self.fleet = (1, _cores_of(res))  # (workers, cores) a mission's status line counts
         self.running = 0
         self.busy = set()              # the jobs running here
         self.accepting = True          # False once told to drain (quit) or retiring
@@ -5586,6 +5596,10 @@ def _same_request(a, b):
     it for many queued jobs."""
     return type(a) is type(b) and (a is b or (a.N == b.N if type(a) is Cores else a == b))
 
+
+# What a stuck queue's warning and the status line say while no worker has joined
+NO_WORKER = ("no worker has joined yet (give run() local=..., or start workers with "
+             "`python grain.py up`)")
 
 SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
 SchedulerStatistics.__doc__ = "The queues and workers of a Scheduler at one moment."
@@ -5879,9 +5893,7 @@ class Scheduler:
                     or now - q.warned_at < STUCK_REPEAT_S:
                 continue
             q.warned_at = now
-            where = (f"the largest worker is {self.largest()}" if self.workers else
-                     "no worker has joined yet (give run() local=..., or start workers with "
-                     "`python grain.py up`)")
+            where = f"the largest worker is {self.largest()}" if self.workers else NO_WORKER
             out.append((q, f"job {q.blocked_job.name} requesting "
                            f"{request_text(q.blocked_job.req)} has fitted no worker for "
                            f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued"))
@@ -6486,6 +6498,7 @@ class HeadService:
 # one it starts, detached. Its Executor then sees the daemon as one more worker that
 # takes every job (HeadLink, with an Unlimited provider): the job's request and pickled
 # bytes go over, the daemon picks the real worker, and results come back as a worker's.
+# The daemon says when a worker starts a job, and what workers it has, for the status line.
 
 
 def mission_socket_path(address):
@@ -6560,23 +6573,33 @@ class Unlimited(Resource):
 
 class HeadLink(RemoteWorker):
     """The head daemon, as one worker of a mission that takes every job: it forwards the
-    job's request and pickled bytes. Results come back as they would from a worker."""
+    job's request and pickled bytes. Results come back as they would from a worker. A job
+    is busy, and has started, once the daemon says one of its workers started it."""
 
     def __init__(self, owner, channel, info, resumed):
         super().__init__(owner, Unlimited(), "head", channel, info.get("pid"), info.get("host"))
         self.log_file = info.get("log") or "(unknown)"
         self.resumed = resumed  # ids of jobs an earlier daemon had: this one is told so
+        self.fleet = info.get("workers", (0, 0))  # (the daemon's)
 
     def start(self, job):
         digest = self._send_function(job.fn, named=True)
         self.jobs[job.id] = job
+        self.busy.discard(job)
+        job.started = None
         resumed = job.id in self.resumed
         self.resumed.discard(job.id)
         self.channel.send(("job", job.id, job.req, digest, job.payload) +
                           ((True,) if resumed else ()))
 
+    def on_started(self, ref):
+        if (job := self.jobs.get(ref)) is not None:
+            job.started = self.owner.clock()
+            self.busy.add(job)
+
     def message_handlers(self):
-        return {"done": self.on_done, "ping": _ignore,
+        return {"done": self.on_done, "ping": _ignore, "started": self.on_started,
+                "workers": lambda *fleet: setattr(self, "fleet", fleet),
                 "warn": lambda text: log.warning("%s", text)}
 
 
@@ -6660,11 +6683,6 @@ REPORT_WIDTH = 1000        # pixels of the report's time axis
 REPORT_MAX_BARS = 3000     # above this, a core's jobs closer than a pixel are drawn as one
 
 
-def _cores_of(res):
-    c = _part(res, "Cores") if res is not None else None
-    return c.N if c is not None else 0
-
-
 def _job_cores(job):
     """The cores a job held: its allocation's, or (through a head daemon, whose workers a
     mission does not see) its request's."""
@@ -6687,47 +6705,45 @@ class MissionRecord:
                 entry[2] = _now()
 
     def totals(self, jobs, end=None):
-        """jobs (with resources), done, failed, and core-seconds used and held."""
-        end, ran = _now() if end is None else end, [j for j in jobs if j.started is not None]
-        # (what its worker measured, when it ended: a job handed to a head daemon "started"
-        # when it went there, and may have waited in its queue; but no more than it ran
-        # here: one a worker came back with ran for the last head too)
+        """jobs (the calculations submitted), done, failed, and core-seconds used (by those
+        a worker started, while they ran) and held (by the workers)."""
+        end = _now() if end is None else end
+        # (what its worker measured, when it ended; but no more than it ran here: one a
+        # worker came back with ran for the last head too)
         used = sum(_job_cores(j) * min((j.ended or end) - j.started, j.duration if
                                        j.duration is not None and j.ended else math.inf)
-                   for j in ran)
+                   for j in jobs if j.started is not None)
         held = sum(_cores_of(w.total) * ((left or end) - joined)
                    for w, joined, left in self.workers)
-        return {"jobs": len(ran), "done": sum(j.state == "done" for j in ran),
-                "failed": sum(j.state == "failed" for j in ran), "used": used, "held": held}
+        return {"jobs": len(jobs), "done": sum(j.state == "done" for j in jobs),
+                "failed": sum(j.state == "failed" for j in jobs), "used": used, "held": held}
 
     def summary(self, jobs):
         t = self.totals(jobs)
         share = (f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%} "
                  "utilization)") if t["held"] else ""
         unended = t["jobs"] - t["done"] - t["failed"]
-        jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done, {t['failed']} failed, {unended} "
-                                      "not ended)" if unended else "")
+        how = "".join(f", {n} {k}" for k, n in (("failed", t["failed"]), ("not ended", unended))
+                      if n)
+        jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done{how})" if how else "")
         return f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
 
     def write_html(self, path, jobs, title="grain mission"):
         """The mission report (see the section) to ``path``; a failure is logged, not
         raised: a report is not worth the mission's result."""
-        end = _now()
-        ran = [j for j in jobs if j.started is not None]
-        t0 = min([self.t0] + [j.started for j in ran])
-        html_ = _report_html(self, ran, t0, end, REPORT_WIDTH / max(end - t0, 1e-3), title)
         try:
-            atomic_write(path, html_.encode(), mode=0o644)
+            atomic_write(path, _report_html(self, jobs, _now(), title).encode(), mode=0o644)
         except OSError as e:
             log.error("the mission report %s could not be written: %s", path, e.strerror or e)
 
 
 class ProgressLine:
     """A mission's one status line, at the bottom of its terminal, redrawn at most twice a
-    second: jobs done of those submitted, running, queued, failed (by class), workers and
-    cores busy, elapsed and the time left at the rate so far. Whatever else is written
-    there (print, grain's log) clears it first, so lines never mix; it comes back at the
-    next redraw, once that output has ended its line."""
+    second: of the jobs submitted that ask for resources, those done, running (started on a
+    worker), queued (the rest not ended), failed (by class); the workers (a head daemon's
+    own) and cores busy, or that none has joined; elapsed and the time left at that rate.
+    Whatever else is written there (print, grain's log) clears it first, so lines never
+    mix; it comes back at the next redraw, once that output has ended its line."""
 
     def __init__(self, executor, stream):
         self.executor, self.stream = executor, stream
@@ -6742,21 +6758,21 @@ class ProgressLine:
 
     def text(self):
         exer = self.executor
-        counts, sched = exer.tally.counts, exer.scheduler
-        done, failed, total = counts["done"], counts["failed"], len(exer._jobs)
-        busy = held = running = 0
-        for w in sched.workers:
-            free, all_ = w.res.stat().get("Cores", (0, 0)), w.total.stat().get("Cores", (0, 0))
-            busy, held = busy + all_[1] - free[0], held + all_[1]
-            running += w.running
+        counts, workers = exer.tally.counts, exer.scheduler.workers
+        done, failed, total = counts["done"], counts["failed"], len(exer._jobs) - exer._here
+        running = [j for w in workers for j in w.busy]
+        n, held = map(sum, zip((0, 0), *(w.fleet for w in workers)))
         elapsed = _now() - exer.record.t0
         ended = done + failed
         left = f" (~{format_walltime((total - ended) * elapsed / ended)} left)" \
             if ended and total > ended else ""
         why = ", ".join(f"{k}: {v}" for k, v in sorted(exer.tally.failed_by_class.items()))
-        return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {running} running, "
-                f"{sched.n_queued} queued, {failed} failed{f' ({why})' if why else ''} | "
-                f"{busy}/{held} cores busy on {len(sched.workers)} worker(s)")
+        where = (f"{sum(map(_job_cores, running))}/{held} cores busy on {n} worker(s)" if n
+                 else NO_WORKER if exer._link is None or workers else
+                 "not attached to the head daemon yet")
+        return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {len(running)} "
+                f"running, {total - ended - len(running)} queued, {failed} failed"
+                f"{f' ({why})' if why else ''} | {where}")
 
     def clear(self):
         if self.shown:
@@ -6875,9 +6891,11 @@ def _report_use(record, ran, t0, end, x):
     return points, top
 
 
-def _report_html(record, ran, t0, end, x, title):
+def _report_html(record, jobs, end, title):
     import html
-    t = record.totals(ran, end)
+    ran = [j for j in jobs if j.started is not None]
+    t0 = min([record.t0] + [j.started for j in ran])
+    x, t = REPORT_WIDTH / max(end - t0, 1e-3), record.totals(jobs, end)
     rows, where = _report_rows(record, ran)
     h = 10 if len(rows) <= 60 else max(1, 600 // len(rows))
     bars = _report_bars(ran, where, t0, end, x, h)
@@ -6890,7 +6908,7 @@ def _report_html(record, ran, t0, end, x, title):
     labels = [f'<text x="-4" y="{i * h + 8}">{html.escape(name)}</text>'
               for i, (name, _) in enumerate(rows) if name != (rows[i - 1][0] if i else None)]
     slow = sorted((j for j in ran if j.ended), key=lambda j: j.started - j.ended)[:10]
-    failed = [j for j in ran if j.state == "failed"][:50]
+    failed = [j for j in jobs if j.state == "failed"][:50]
     use = f"{t['used'] / t['held']:.0%}" if t["held"] else "unknown (the head daemon's)"
     cells = [("jobs", t["jobs"]), ("done", t["done"]), ("failed", t["failed"]),
              ("wall time", f"{end - t0:.1f} s" if end - t0 < 60 else format_walltime(end - t0)),
@@ -6973,6 +6991,12 @@ class MissionSetup:
     workers_fixed: bool = False    # no other worker can join (run() listening nowhere)
 
 
+def _asks_nothing(req):
+    """Whether a job of request ``req`` runs in the mission itself, at once: a wrapper of
+    calculations, not one, which the mission's counts and totals leave out."""
+    return req is ZERO or (req.kind is None and not req._parts())
+
+
 def _worker_sources(waddrs, rpw):
     """GrainExecutor's passive workers as URLs (upstream's host names: port 4242), and its
     local worker's resources (upstream's order; grain.py's ``GrainExecutor(rpw)`` too)."""
@@ -7045,6 +7069,7 @@ class GrainExecutor(HeadCore):
         self.stored = MissionResults(results, rerun_failed) if results else None  # the store
         self.report, self.progress = report, progress  # an HTML file; the status line
         self._jobs = []           # every job, in submission order
+        self._here = 0            # those asking nothing (_asks_nothing)
         self._submit_time = BurstClock(self)
         self._last_cores = Cores(1)  # the last Cores(N) asked for (see _submit)
         self._ids = itertools.count(1)
@@ -7101,6 +7126,7 @@ class GrainExecutor(HeadCore):
         """Count ``job`` as submitted: ``results`` and ``wait_all`` wait for it."""
         job.submitted = self._submit_time()
         self._jobs.append(job)
+        self._here += _asks_nothing(job.req)
         self._outstanding += 1
         if not job.id % FREEZE_JOBS:
             # The jobs live until the mission ends: a full collection of a heap of millions
@@ -7135,8 +7161,7 @@ class GrainExecutor(HeadCore):
         job.payload = pickle_arguments(job)
 
     def _enqueue(self, job):
-        req = job.req
-        if req is ZERO or (req.kind is None and not req._parts()):
+        if _asks_nothing(job.req):
             self.scheduler.launch(job, self._zero_worker)  # in this process, at once
             return
         if self.stored is not None:
@@ -7197,10 +7222,10 @@ class GrainExecutor(HeadCore):
 
     # -- completion -----------------------------------------------------------------
     def requeue(self, job):
-        if job.req is not ZERO and job.req._parts():
-            self._queue(job, front=True)
-        else:  # no resources: it runs here again at once, as the first time
+        if _asks_nothing(job.req):  # it runs here again at once, as the first time
             self._enqueue(job)
+        else:
+            self._queue(job, front=True)
 
     def complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
@@ -7214,7 +7239,8 @@ class GrainExecutor(HeadCore):
         job.ended = self.clock()
         if self.stored is not None and job.attempts and type(job.wire) is not int:
             self.stored.record(job, value, error, kind, pickled)
-        self.tally.ended(job.state, kind)
+        if not _asks_nothing(job.req):
+            self.tally.ended(job.state, kind)
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
@@ -7241,10 +7267,6 @@ class GrainExecutor(HeadCore):
             await self._all_done.wait()
 
     # -- as a head ------------------------------------------------------------------
-    def statistics(self):
-        st = super().statistics()
-        return st._replace(running=st.running + self._zero_worker.running)
-
     async def serve_mission(self, channel, info, why=None):
         channel.send(("refused", why or f"the head at {self.listen} runs a mission of its own "
                                         f"(pid {os.getpid()} on {hostname()}), not a shared "
@@ -7342,13 +7364,16 @@ class GrainExecutor(HeadCore):
             if self.service is not None:
                 with trio.CancelScope(shield=True):
                     await self.service.say_goodbye(abort=etype is not None)
-            await self._close()
-            self.elapsed = time.perf_counter() - self._t0
-            log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
-                     self.record.summary(self._jobs))
-            if self.report:
-                self.record.write_html(self.report, self._jobs,
-                                       f"grain mission {os.path.basename(sys.argv[0])}")
+            try:  # (a Ctrl-C that trio raised in a task of its nursery comes out here)
+                await self._close()
+            finally:
+                self.elapsed = time.perf_counter() - self._t0
+                jobs = [j for j in self._jobs if not _asks_nothing(j.req)]
+                log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
+                         self.record.summary(jobs))
+                if self.report:
+                    self.record.write_html(self.report, jobs,
+                                           f"grain mission {os.path.basename(sys.argv[0])}")
         if etype is None:
             lost = [j.error for j in self._jobs if j.error is not None and not j.observed]
             for j in self._jobs:
@@ -8462,6 +8487,7 @@ class HeadDaemon(HeadCore):
         self.stopped = trio.Event()
         self._ids = itertools.count(1)
         self._missions_changed = trio.Event()
+        self.fleet = (0, 0)  # its workers and their cores, for its missions' status lines
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
@@ -8491,11 +8517,23 @@ class HeadDaemon(HeadCore):
         if self.swarm is not None:
             self.swarm.pending.pop(worker.job_id, None)
         super().add_worker(worker)
+        self._tell_fleet(worker, 1)
 
     def remove_worker(self, worker):
         super().remove_worker(worker)
         if self.swarm is not None:
             self.swarm.changed.set()
+        self._tell_fleet(worker, -1)
+
+    def _tell_fleet(self, worker, sign):
+        """Its missions' status lines show its workers and their cores: a worker came or went."""
+        self.fleet = tuple(a + sign * b for a, b in zip(self.fleet, worker.fleet))
+        for m in self.missions:
+            m.channel.send(("workers", *self.fleet))
+
+    def job_sent(self, job):
+        """A worker starts it: its mission counts it running, and its cores used, from now."""
+        job.queue.channel.send(("started", job.ref))
 
     def _joined(self):
         return sum(1 for w in self.scheduler.workers if w.channel is not None)
@@ -8545,7 +8583,8 @@ class HeadDaemon(HeadCore):
         # run, full collections walk only what came since; each took 70 ms with 1,000)
         self.scheduler.add_queue(m)
         self._changed()
-        channel.send(("attached", {"pid": os.getpid(), "host": hostname(), "log": self.log_file}))
+        channel.send(("attached", {"pid": os.getpid(), "host": hostname(), "log": self.log_file,
+                                   "workers": self.fleet}))
         log.info("mission %s attached from %s%s", m.name, m.host,
                  " (prioritized)" if m.prioritized else "")
         try:

@@ -1243,9 +1243,9 @@ def test_handshake_state_machine():
         a.verify(pc)
     with pytest.raises(grain.AuthenticationError, match="does not speak"):
         a.proof(b"HTTP/1.1 200 OK" + b"x" * 25)
-    older = b"GRAIN\x03\r\n" + os.urandom(32)  # a grain.py from before one pickle a write
-    with pytest.raises(grain.AuthenticationError, match="speaks version 3 of the grain protocol"
-                       ", this grain.py 4: run the same grain.py on both sides"):
+    older = b"GRAIN\x04\r\n" + os.urandom(32)  # a daemon that does not say when jobs start
+    with pytest.raises(grain.AuthenticationError, match="speaks version 4 of the grain protocol"
+                       ", this grain.py 5: run the same grain.py on both sides"):
         a.proof(older)
 
 
@@ -1322,7 +1322,7 @@ async def test_the_protocol_over_memory_streams(autojump_clock):
         await trio.sleep_forever()
     assert a.silent and trio.current_time() - t0 == pytest.approx(grain.SILENT_S, abs=1)
     assert set(grain.MESSAGES) >= {"register", "run", "done", "fin"} and \
-        len(grain.MESSAGES) == 20
+        len(grain.MESSAGES) == 22
 
 
 def test_frame_decoder():
@@ -5609,25 +5609,51 @@ PROGRESS_MISSION = textwrap.dedent("""
 """)
 
 
+class Terminal:
+    """A Python script running on a terminal of its own (a pty, 200 columns wide), and what
+    it wrote there so far."""
+
+    def __init__(self, script, cwd=HERE):
+        import pty
+        self.fd, sub = pty.openpty()
+        self.p = subprocess.Popen([sys.executable, str(script)], stdout=sub, stderr=sub,
+                                  stdin=subprocess.DEVNULL, cwd=cwd,
+                                  env=dict(os.environ, COLUMNS="200"))
+        os.close(sub)
+        self.out = b""
+
+    def read(self, until=None, timeout=60):
+        """Read until the output matches the pattern ``until`` (returns the match), or, with
+        none, until the script ends (returns its exit status)."""
+        import select
+        deadline = time.monotonic() + timeout
+        while until is None or not re.search(until, self.text):
+            left = max(0, deadline - time.monotonic())
+            assert select.select([self.fd], [], [], left)[0], self.text
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:  # the other end closed
+                chunk = b""
+            if not chunk:
+                assert until is None, self.text
+                return self.p.wait(30)
+            self.out += chunk
+        return re.search(until, self.text)
+
+    text = property(lambda self: self.out.decode(errors="replace"))
+
+    def close(self):
+        kill_all([self.p])
+        os.close(self.fd)
+
+
 def _run_in_pty(script):
-    import pty
-    main, sub = pty.openpty()
-    p = subprocess.Popen([sys.executable, str(script)], stdout=sub, stderr=sub,
-                         stdin=subprocess.DEVNULL, cwd=HERE,
-                         env=dict(os.environ, COLUMNS="200"))  # a wide terminal
-    os.close(sub)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(main, 65536)
-        except OSError:  # the other end closed
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(main)
-    assert p.wait(30) == 0, out
-    return out.decode()
+    term = Terminal(script)
+    try:
+        assert term.read() == 0, term.text
+    finally:
+        term.close()
+    return term.text
 
 
 def _chromium():
@@ -5670,19 +5696,108 @@ def test_mission_logs_time_elapsed(caplog):
     assert "Config file is disabled" not in caplog.text  # (news at debug level only)
 
 
-def test_the_last_line_counts_what_workers_measured_and_says_what_did_not_end():
+def test_the_last_line_bills_jobs_for_the_time_they_ran_and_says_how_they_ended():
     record = grain.MissionRecord()
     jobs = []
-    for i, (duration, state) in enumerate([(1.0, "done"), (2.0, "failed"), (None, "queued")]):
+    # (started, duration its worker measured, state) 10 s after t0, at the end 20 s after:
+    # a job ended bills its duration, one running since 15 s bills 5 s, a queued one nothing
+    for i, (started, duration, state) in enumerate([(0, 1.0, "done"), (0, 2.0, "failed"),
+                                                    (15, None, "running"),
+                                                    (None, None, "queued")]):
         job = grain.Job(i, Cores(2), None, (), {})
-        # handed to a head daemon at t0, where it waited 10 s before a worker ran it
-        job.started, job.state, job.alloc = record.t0, state, Cores([0, 1])
+        job.state, job.alloc = state, Cores([0, 1])
+        job.started = None if started is None else record.t0 + started
         if duration is not None:
             job.duration, job.ended = duration, record.t0 + 10 + duration
         jobs.append(job)
     totals = record.totals(jobs, end=record.t0 + 20)
-    assert totals["used"] == pytest.approx(2 * 1.0 + 2 * 2.0 + 2 * 20)  # not the waits
-    assert record.summary(jobs).startswith("3 jobs (1 done, 1 failed, 1 not ended), ")
+    assert totals["used"] == pytest.approx(2 * 1.0 + 2 * 2.0 + 2 * 5)
+    assert record.summary(jobs).startswith("4 jobs (1 done, 1 failed, 2 not ended), ")
+    assert record.summary(jobs[:2]).startswith("2 jobs (1 done, 1 failed), ")  # all ended
+    assert record.summary(jobs[:1]).startswith("1 jobs, ")
+
+
+async def _calculation(i, fail=()):
+    await trio.sleep(10)
+    if i in fail:
+        raise ValueError(f"bad input {i}")
+    return i
+
+
+def _status(exer):
+    """The mission's status line now, without its clock."""
+    return grain.ProgressLine(exer, None).text().split(" | ", 1)[1]
+
+
+NO_WORKER = ("no worker has joined yet (give run() local=..., or start workers with "
+             "`python grain.py up`)")
+
+
+@trio_test
+async def test_the_status_and_last_lines_count_calculations_not_their_wrappers(
+        autojump_clock, caplog):
+    # Ten @delayed wrappers without resources, each awaiting a calculation of 10 s on one
+    # of two cores; the last calculation fails. The wrappers run in the mission: not counted.
+    @delayed
+    async def wrapper(i):
+        with contextlib.suppress(ValueError):
+            return await (delayed(_calculation) @ Cores(1))(i, {9})
+
+    with caplog.at_level(logging.INFO, logger="grain"):
+        async with grain.GrainExecutor(rpw=Cores(2), progress=False) as exer:
+            calls = [wrapper(i) for i in range(10)]
+            await trio.sleep(5)
+            assert _status(exer) == ("0/10 done, 2 running, 8 queued, 0 failed | 2/2 cores "
+                                     "busy on 1 worker(s)")
+            assert await each(calls) == [*range(9), None]
+            assert _status(exer) == ("9/10 done, 0 running, 0 queued, 1 failed (raised: 1) | "
+                                     "0/2 cores busy on 1 worker(s)")
+    # 100 core-seconds used of 2 cores for 50 s
+    assert re.search(r"for all jobs: [\d.]+s; 10 jobs \(9 done, 1 failed\), 0.0278 core-hours "
+                     r"used of 0.0278 allocated \(100% utilization\)$", caplog.text, re.M)
+
+
+@pytest.mark.parametrize("where", ["main", "a task"])
+@trio_test
+async def test_after_an_interrupt_the_last_line_counts_every_job_submitted(
+        where, autojump_clock, caplog):
+    # Ctrl-C 15 s into ten jobs of 10 s on two cores: two ended, two ran for 5 s. Trio
+    # raises it in whichever task runs then: the mission's main, or a task of grain's
+    # (the status line's, a job's), whose nursery then ends the executor.
+    async def ctrl_c():
+        await trio.sleep(15)
+        raise KeyboardInterrupt
+
+    with caplog.at_level(logging.INFO, logger="grain"), \
+            pytest.raises((KeyboardInterrupt, BaseExceptionGroup)) as info:
+        async with grain.GrainExecutor(rpw=Cores(2), progress=False) as exer:
+            for i in range(10):
+                exer.submit(Cores(1), _calculation, i)
+            if where == "a task":
+                exer.submit(ZERO, ctrl_c)  # (asking nothing, it is no calculation)
+                await exer.wait_all()
+            await trio.sleep(15)
+            assert _status(exer) == ("2/10 done, 2 running, 6 queued, 0 failed | 2/2 cores "
+                                     "busy on 1 worker(s)")
+            raise KeyboardInterrupt
+    assert info.group_contains(KeyboardInterrupt) if where == "a task" else info.type is \
+        KeyboardInterrupt
+    assert re.search(r"; 10 jobs \(2 done, 8 not ended\), 0.00833 core-hours used of 0.00833 "
+                     r"allocated", caplog.text)
+
+
+@trio_test
+async def test_with_no_worker_the_status_line_says_so_from_the_start(autojump_clock):
+    async with grain.GrainExecutor(progress=False) as exer:
+        assert _status(exer) == f"0/0 done, 0 running, 0 queued, 0 failed | {NO_WORKER}"
+        jobs = [exer.submit(Cores(1), _calculation, i) for i in range(3)]
+        assert _status(exer) == f"0/3 done, 0 running, 3 queued, 0 failed | {NO_WORKER}"
+        exer.fail_queued("no worker came")
+        for job in jobs:
+            with pytest.raises(grain.GrainError, match="no worker came"):
+                await job
+        assert _status(exer) == ("0/3 done, 0 running, 0 queued, 3 failed (raised: 3) | "
+                                 f"{NO_WORKER}")
 
 
 def test_the_progress_line_shows_true_counts_on_a_terminal_only(tmp_path):
@@ -6671,6 +6786,43 @@ async def test_a_prioritized_mission_goes_first_on_the_clock(autojump_clock):
 
 
 @trio_test
+async def test_through_a_head_daemon_the_status_line_counts_what_its_workers_run(
+        autojump_clock, caplog):
+    # A mission's jobs wait on a daemon with no worker; a worker of two cores joins and
+    # runs them, 10 s each; Ctrl-C 15 s later. Running is what a worker started; the
+    # workers and cores are the daemon's, not the daemon as a worker of the mission.
+    async def attach():
+        return d._peer("mission")
+
+    async with trio.open_nursery() as nursery:
+        d = InProcessDaemon(nursery)
+        setup = grain.MissionSetup(attach=attach, info={"name": "m"})
+        with caplog.at_level(logging.INFO, logger="grain"), pytest.raises(KeyboardInterrupt):
+            async with grain.GrainExecutor(key=b"k" * 32, mission=setup, progress=False) as exer:
+                assert _status(exer) == ("0/0 done, 0 running, 0 queued, 0 failed | not "
+                                         "attached to the head daemon yet")
+                for i in range(3):
+                    exer.submit(Cores(1), _calculation, i)
+                await exer.wait_for_workers(1)   # attached
+                await trio.sleep(15)
+                assert _status(exer) == f"0/3 done, 0 running, 3 queued, 0 failed | {NO_WORKER}"
+                d.worker(cores=2, seconds=10)
+                for i in range(3, 10):
+                    exer.submit(Cores(1), _calculation, i)
+                await trio.sleep(5)
+                assert _status(exer) == ("0/10 done, 2 running, 8 queued, 0 failed | 2/2 cores "
+                                         "busy on 1 worker(s)")
+                await trio.sleep(10)
+                assert _status(exer) == ("2/10 done, 2 running, 6 queued, 0 failed | 2/2 cores "
+                                         "busy on 1 worker(s)")
+                raise KeyboardInterrupt
+        nursery.cancel_scope.cancel()
+    # billed: two jobs for 10 s, two for 5 s; not the waits, nor the jobs that never ran
+    assert re.search(r"; 10 jobs \(2 done, 8 not ended\), 0.00833 core-hours used$",
+                     caplog.text, re.M)
+
+
+@trio_test
 async def test_a_mission_hands_its_jobs_to_the_next_daemon_on_the_clock(autojump_clock, caplog):
     # The daemon dies 5 s into a job of 60 s, its worker with it. The mission attaches to
     # the next daemon, which holds the job REJOIN_WAIT_S for that worker, then runs it on
@@ -6933,6 +7085,60 @@ def test_missions_share_the_head_daemon_fairly_and_reuse_its_worker(daemon):
     assert w.wait(15) == 0
     wait_for(lambda: not head_daemons() & set(_daemon_pids(daemon.tmp_path)), 15,
              "the daemon to exit")
+
+
+STATUS_MISSION = textwrap.dedent("""
+    import sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def job(i):
+        await trio.sleep(2)
+        return i
+
+    async def main():
+        return await each((job @ Cores(1))(i) for i in range(10))
+
+    print("sum", sum(run(main, config_file={config!r})))
+""")
+
+
+def test_a_mission_on_a_terminal_shows_what_the_head_daemons_workers_run(daemon):
+    # Ten jobs of 2 s through a head daemon with no worker, then one worker of two cores;
+    # Ctrl-C once two jobs are done. The status line says what happened, no more.
+    script = daemon.tmp_path / "status.py"
+    script.write_text(STATUS_MISSION.format(here=HERE, config=str(daemon.config)))
+    term = Terminal(script, cwd=daemon.tmp_path)
+    try:
+        term.read(re.escape(NO_WORKER), timeout=30)  # (not the daemon's warning, 60 s on)
+        joined = time.monotonic()
+        daemon.worker(cores=2)
+        term.read(r"\| 2/10 done,")
+        term.p.send_signal(signal.SIGINT)
+        assert term.read() != 0
+        ran = time.monotonic() - joined
+    finally:
+        term.close()
+    lines = re.findall(r"\r\x1b\[K\d+:\d\d:\d\d[^|\r\n]*\| (\d+)/(\d+) done, (\d+) running, "
+                       r"(\d+) queued, 0 failed \| ([^\r\n]*)", term.text)
+    wheres = [where for *_, where in lines]
+    assert wheres[0] in ("not attached to the head daemon yet", NO_WORKER), term.text
+    for done, total, running, queued, where in lines:
+        done, total, running, queued = map(int, (done, total, running, queued))
+        assert total in (0, 10) and done + running + queued == total and running <= 2
+        assert where in ("not attached to the head daemon yet", NO_WORKER) and not running or \
+            where == f"{running}/2 cores busy on 1 worker(s)", term.text
+    joined_at = next(i for i, where in enumerate(wheres) if "cores busy" in where)
+    assert NO_WORKER not in wheres[joined_at:]
+    last = re.search(r"Time elapsed for all jobs: [\d.]+s; 10 jobs \((\d+) done, (\d+) not "
+                     r"ended\), ([\d.e-]+) core-hours used\r?$", term.text, re.M)
+    assert last, term.text
+    done, unended, used = last.groups()
+    # billed: the jobs a worker ran, while they ran (not the wait for a worker)
+    assert int(done) >= 2 and int(done) + int(unended) == 10
+    assert 2 * int(done) * 0.99 <= float(used) * 3600 <= 2 * ran, term.text
 
 
 def test_a_prioritized_mission_goes_first(daemon):
