@@ -4932,6 +4932,10 @@ class ResultStore:
         self._in_flight = False  # a batch sent to the writer, not yet acknowledged
         self.held = False
         self.crashed = False  # the mission that held it last died holding it
+        # The workers (Worker.ident) this run sent jobs to, and those the run before sent
+        # some to when it died: named in the holder file before a job goes, for a job sent
+        # within STORE_FLUSH_S of that death has no entry to name its worker.
+        self.workers, self.last_workers = [], set()
         self._lock = threading.Lock()  # the database, between threads
 
     # -- opening and holding -------------------------------------------------------
@@ -5007,10 +5011,18 @@ class ResultStore:
                 why = output_path_problem(self.path) or \
                     f"cannot create files in {os.path.dirname(self.path)} ({e.strerror})"
                 raise GrainError(f"results store {self.path}: {why}") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump({"host": hostname(), "pid": os.getpid(), "since": time.time()}, f)
-            return
+            os.close(fd)
+            self.since = time.time()
+            return self.add_worker(None)
         raise GrainError(f"results store {self.path}: cannot take it")
+
+    def add_worker(self, ident):
+        """Name the worker ``ident`` in the holder file (None: write it as it is)."""
+        self.workers += [ident] if ident else []
+        with open(self.holder + ".new", "w") as f:  # (then renamed: a kill leaves no half)
+            json.dump({"host": hostname(), "pid": os.getpid(), "since": self.since,
+                       "workers": self.workers}, f)
+        os.replace(self.holder + ".new", self.holder)
 
     def _stale_holder(self):
         """Remove the holder file of a mission that died; GrainError if it lives."""
@@ -5027,6 +5039,7 @@ class ResultStore:
                 f"results store {self.path} is in use by the mission pid {who.get('pid')} "
                 f"on {who.get('host')} (since {time.ctime(who.get('since', 0))}); one "
                 "mission writes a store at a time")
+        self.last_workers = set(who.get("workers", ()))
         _unlink_quietly(self.holder)
 
     def beat(self):
@@ -5240,6 +5253,8 @@ class MissionResults:
         has ended by then."""
         job.wire = _key_text(job.wire)
         self._sent[job.wire] = job
+        if job.worker.ident and job.worker.ident not in self.store.workers:
+            self.store.add_worker(job.worker.ident)
 
     async def fetch(self, job):
         """``(value, error, kind)`` stored for a known job."""
@@ -7311,8 +7326,8 @@ class GrainExecutor(HeadCore):
         self.start(self._nursery, self._queue)
         if self.stored is not None and self.stored.store.crashed:  # the workers its last
             # run's "running" entries name: its jobs may be held for them (see _enqueue)
-            self.reunion.expected = set(self.stored.store.states.values()) - {
-                "done", "failed", None}
+            self.reunion.expected = self.stored.store.last_workers | set(
+                self.stored.store.states.values()) - {"done", "failed", None}
         rt = _RUNTIME.get()
         self._runtime = _Runtime(self)
         if rt is not None:

@@ -5111,6 +5111,33 @@ async def test_a_worker_is_named_to_the_next_head_only_if_it_may_come_back(autoj
             assert not daemon.scheduler.workers
 
 
+def test_the_next_run_knows_the_workers_a_dead_run_sent_jobs_to_before_their_entries(
+        tmp_path):
+    # A mission dies within STORE_FLUSH_S of sending jobs to a worker: those jobs have no
+    # "running" entry yet, but the holder file named the worker before they went, so the
+    # next run holds them for it (else it ran them again while that worker came back
+    # with the first run's results).
+    first = grain.ResultStore(str(tmp_path / "s.db"))
+    first.open()
+    first.add_worker("w1 (pid 7 on h)")
+    first.add_worker("w2 (pid 8 on h)")
+    holder = json.loads(pathlib.Path(first.holder).read_text())
+    assert holder["pid"] == os.getpid() and holder["workers"] == ["w1 (pid 7 on h)",
+                                                                 "w2 (pid 8 on h)"]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pathlib.Path(first.holder).write_text(json.dumps(dict(holder, pid=dead.pid)))
+    first.held = False   # (it "died": its holder file stays)
+    first.close()
+    again = grain.ResultStore(str(tmp_path / "s.db"))
+    again.open()
+    try:
+        assert again.crashed and again.last_workers == {"w1 (pid 7 on h)", "w2 (pid 8 on h)"}
+        assert json.loads(pathlib.Path(again.holder).read_text())["workers"] == []
+    finally:
+        again.close()
+
+
 @trio_test
 async def test_a_result_that_ends_as_the_head_goes_reaches_the_next_head(autojump_clock):
     # The job ends just as the head's connection closes: before or after the worker sees
