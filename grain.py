@@ -2443,10 +2443,12 @@ class EdgeFile:
 
 
 def _order_urls(record):
-    """A record's URLs, a Unix socket first when the record is from this host."""
-    same_host = record.get("host") == hostname()
-    return sorted(record.get("urls", {}).values(), key=lambda u: (
-        not (same_host and u.startswith("unix:")), not u.startswith("tcp://127.")))
+    """A record's URLs to dial: from this host, its Unix socket first; from another, none of
+    its loopback or Unix ones (here they would reach this host, or nothing, not that one)."""
+    here = record.get("host") == hostname()
+    return sorted((u for u in record.get("urls", {}).values() if here or not u.startswith(
+        ("unix:", "tcp://127.", "tcp://[::1]"))), key=lambda u: (
+        not u.startswith("unix:"), not u.startswith("tcp://127.")))
 
 
 async def _edge_listeners(tag):
@@ -2579,8 +2581,9 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
         except Unreachable as e:
             return log.warning("could not reach the waiting worker at %s (%s); it will retry",
                                ", ".join(_order_urls(dialer)) or "(no address)", e)
-        async with stream:
-            await handler(stream, _order_urls(dialer)[0])
+        async with stream:  # (named by the address that answered, if its socket says)
+            name = _peer_name(stream)
+            await handler(stream, _order_urls(dialer)[0] if name == "?" else name)
 
     try:
         async with open_strict_nursery() as nursery:
@@ -2638,7 +2641,9 @@ async def connect(url, key, *, wait=False):
                     log.warning("%s; waiting for a head that holds this one", e)
                     other = record.get("lid")
                     continue
-            log.warning("the head recorded in %s does not answer; waiting for one", where)
+                tried = f"{', '.join(_order_urls(record)) or 'no address it can reach'} ({e})"
+            log.warning("the head recorded in %s does not answer at %s; waiting for one",
+                        where, tried)
         elif not wait:
             raise Unreachable(f"no live head is recorded in {where}")
         elif record:

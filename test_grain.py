@@ -3699,6 +3699,233 @@ def test_the_mission_head_reports_a_job_that_never_joins(tmp_path, slurm_cleanup
     assert "/nonexistent/python3" in log.read_text()
 
 
+# A cluster of hosts: .ci/cluster-up.sh's login host and nodes node1..node3, each a network
+# namespace of this machine with a hostname and an address of its own, one Slurm across
+# them (slurmctld on login, a slurmd on each node, partition batch), and this machine's
+# filesystem shared by all, as on a cluster. `.ci/on-host NAME CMD...` runs CMD on a host;
+# every grain command below runs on the login host, as a user would type it there. The
+# login host lists first an interface the nodes cannot reach.
+
+ON_HOST = os.path.join(HERE, ".ci", "on-host")
+NODES = ("node1", "node2", "node3")
+
+
+def on_host(host, *argv, cwd=HERE, timeout=120, **kw):
+    """Run ``argv`` on ``host`` (login, node1..3) of the cluster; CompletedProcess (text)."""
+    return subprocess.run([ON_HOST, host, *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _cluster_trouble():
+    """Why the cluster of hosts cannot be used here (None: it can)."""
+    if os.geteuid() != 0:
+        return "entering the cluster's hosts (network namespaces) needs root"
+    if not os.path.exists("/var/run/netns/grain-login") or not shutil.which("nsenter"):
+        return "no cluster of hosts here: run .ci/cluster-up.sh (as root) to make one"
+    try:
+        nodes = on_host("login", "sinfo", "-h", "-N", "-o", "%N %t", timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the cluster does not answer: {e}"
+    up = {n for n, _, state in (line.partition(" ") for line in nodes.splitlines())
+          if re.match(r"(idle|mix|alloc)", state)}
+    if not set(NODES) <= up:
+        return f"the cluster's nodes are not all up (sinfo -N: {nodes.strip() or 'nothing'})"
+    return None
+
+
+needs_cluster = pytest.mark.skipif(_cluster_trouble() is not None,
+                                   reason=str(_cluster_trouble()))
+
+
+def node_cores():
+    """{node: the cores a process there may use}, asked of each node."""
+    out = {}
+    for node in NODES:
+        cp = on_host(node, sys.executable, "-c", "import os, socket; print(socket.gethostname()"
+                     ", sorted(os.sched_getaffinity(0)))")
+        host, cores = cp.stdout.split(" ", 1)
+        assert host == node, cp
+        out[node] = json.loads(cores)
+    return out
+
+
+def cluster_jobs(where):
+    """{job id: (state, node)} of the cluster's jobs submitted from ``where`` (or below)."""
+    out = on_host("login", "squeue", "-h", "-o", "%i %T %N %Z").stdout
+    jobs = {}
+    for line in out.splitlines():
+        job, state, *rest = line.split()
+        if rest and (rest[-1] == str(where) or rest[-1].startswith(f"{where}/")):
+            jobs[job] = (state, rest[0] if len(rest) == 2 else "")
+    return jobs
+
+
+class HostCluster:
+    """A test's grain set-up on the cluster: grain.toml and the Edge file in its tmp_path (the
+    shared filesystem), a head daemon on the login host when asked; all cleaned up."""
+
+    def __init__(self, path):
+        self.path, self.cfg, self.head = path, path / "grain.toml", None
+        self.cfg.write_text(f'system = "slurm"\naddress = "edge://{path}/edge"\n[script]\n'
+                            f'queue = "batch"\nwalltime = "0:10:00"\n'
+                            f'python = "{sys.executable}"\n')
+
+    def grain(self, *args, timeout=120):
+        return on_host("login", sys.executable, GRAIN, *args, "-c", str(self.cfg),
+                       cwd=self.path, timeout=timeout)
+
+    def start_head(self):
+        """A head daemon on the login host, once its Edge record is there."""
+        self.head_log = open(self.path / "head.log", "w")
+        self.head = subprocess.Popen([ON_HOST, "login", sys.executable, GRAIN, "head", "-c",
+                                      str(self.cfg)], cwd=self.path, stdout=self.head_log,
+                                     stderr=subprocess.STDOUT)
+        edge = self.path / "edge"
+        wait_for(lambda: edge.exists() and '"lid"' in edge.read_text(), 30, "the head")
+
+    def up(self, n):
+        """`up -n N` on the login host: {job id: its log file}."""
+        cp = self.grain("up", "-n", str(n))
+        assert cp.returncode == 0, cp.stderr
+        jobs = dict(re.findall(r"submitted worker job (\S+) \(\S+\); log: (\S+)", cp.stdout))
+        assert len(jobs) == n, cp.stdout
+        return jobs
+
+    def wait_for_workers(self, n, timeout=90):
+        seen = {}
+
+        def joined():
+            cp = self.grain("ls", "--json")
+            seen.update(json.loads(cp.stdout) if cp.stdout.startswith("{") else {})
+            return len(seen.get("workers", ())) >= n
+
+        wait_for(joined, timeout, f"{n} workers in `ls`")
+        return seen["workers"]
+
+    def close(self):
+        self.grain("stop", timeout=60)  # (a head daemon, ours or a mission's: FIN to the
+        self.grain("down", timeout=60)  # workers, so their jobs end)
+        for job in cluster_jobs(self.path):  # anything else this test submitted
+            on_host("login", "scancel", job)
+        if self.head is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.head.wait(timeout=15)
+            kill_all([self.head])
+            self.head_log.close()
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    c = HostCluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _node_of(worker):
+    m = re.search(r" on (\S+)$", worker["where"])
+    return m and m.group(1)
+
+
+@needs_cluster
+def test_up_n_3_on_the_login_host_puts_one_worker_on_each_node_with_its_cores(hosts):
+    cores = node_cores()
+    hosts.start_head()
+    jobs = hosts.up(3)
+    workers = hosts.wait_for_workers(3)
+    # One worker a node, named <node>-<job id> by the node it runs on, in the job Slurm put
+    # there, offering that node's cores (the cores its processes may use), not the machine's.
+    placed = {job: node for job, (_, node) in cluster_jobs(hosts.path).items()}
+    assert sorted(_node_of(w) for w in workers) == list(NODES), workers
+    for w in workers:
+        node = _node_of(w)
+        assert w["name"] == f"{node}-{w['job_id']}" and w["job_id"] in jobs, w
+        assert placed[w["job_id"]] == node and w["cores"][1] == len(cores[node]), (w, cores)
+    for log in jobs.values():  # which cores: each worker says them as it registers
+        text = open(log).read()
+        m = re.search(r"worker (\S+) registered with .*CPU_Cores\(\[([\d, ]*)\]\)", text)
+        assert m, text
+        assert [int(i) for i in m.group(2).split(",")] == cores[m.group(1).rpartition("-")[0]]
+    ls = hosts.grain("ls")
+    rows = re.findall(r"^(node\d)-(\S+)\s.*\bpid \d+ on (\S+)\s*$", ls.stdout, re.M)
+    assert sorted(r[0] for r in rows) == list(NODES), ls.stdout   # each worker's host
+    assert all(name == host and job in jobs for name, job, host in rows), ls.stdout
+
+
+CLUSTER_MISSION = textwrap.dedent("""
+    import json, os, socket, sys, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+    from grain import GVAR
+
+    @delayed
+    async def where(i):
+        await trio.sleep(2)
+        return [i, socket.gethostname(), os.environ.get("SLURMD_NODENAME"), GVAR.instance,
+                os.environ.get("SLURM_JOB_ID"), sorted(GVAR.res.c)]
+
+    async def main():  # a job takes all of a node's cores: one at a time on each worker
+        return await each((where @ Cores({per}))(i) for i in range(6))
+
+    print(json.dumps(run(main, config_file={config!r})), flush=True)
+""")
+
+
+@needs_cluster
+def test_a_mission_on_the_login_host_runs_jobs_on_every_node_and_down_ends_them(hosts):
+    cores = node_cores()
+    hosts.path.joinpath("mission.py").write_text(CLUSTER_MISSION.format(
+        here=HERE, per=len(cores["node1"]), config=str(hosts.cfg)))
+    # The workers start first and wait in the Edge file: the head the mission starts calls
+    # them, and names each by the address that reached it, a node's own, never a loopback
+    # one (which, on the login host, is the login host's).
+    jobs = hosts.up(3)
+    edge = hosts.path / "edge"
+    wait_for(lambda: edge.exists() and len(json.loads(edge.read_text() or "{}")
+                                           .get("dialer", [])) == 3, 90, "three waiting workers")
+    cp = on_host("login", sys.executable, "mission.py", cwd=hosts.path, timeout=180)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    results = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in results] == list(range(6))
+    assert {r[1] for r in results} == set(NODES), results
+    for i, host, slurm_node, worker, job, job_cores in results:
+        assert slurm_node == host and worker == f"{host}-{job}" and job in jobs, results[i]
+        assert job_cores == cores[host], (results[i], cores)
+    log = next(hosts.path.glob("grain-head-*.log"))   # (beside the Edge file)
+    joined = re.findall(r"worker (node\d)-\S+ joined from (\S+)", log.read_text())
+    assert sorted(n for n, _ in joined) == list(NODES), joined
+    assert not [via for _, via in joined if "127.0.0.1" in via or "unix" in via], joined
+    down = hosts.grain("down")
+    assert down.returncode == 0, down.stderr
+    assert sorted(re.findall(r"cancelled worker job (\S+)", down.stdout)) == sorted(jobs)
+    wait_for(lambda: not set(cluster_jobs(hosts.path)) & set(jobs), 60, "the jobs to end")
+    assert hosts.grain("down").stdout.strip() == "no job to cancel"
+
+
+@needs_cluster
+def test_a_worker_that_cannot_reach_the_head_names_the_addresses_it_tried(tmp_path):
+    # The head's record lists only the login host's first interface, which the nodes
+    # cannot reach (and, from another host, its loopback and Unix addresses, never tried).
+    port = 40000 + os.getpid() % 20000
+    edge = tmp_path / "edge"
+    edge.write_text(json.dumps({"listener": {
+        "host": "login", "lid": "x", "pid": 1, "heartbeat": time.time() + 600,
+        "urls": {"lo": f"tcp://127.0.0.1:{port}", "eth0": f"tcp://10.77.1.1:{port}",
+                 "unix": f"unix://{tmp_path}/head.sock"}}, "dialer": []}))
+    log = tmp_path / "w.log"
+    with open(log, "w") as out:
+        w = subprocess.Popen([ON_HOST, "node1", sys.executable, GRAIN, "worker", "--url",
+                              f"edge://{edge}", "--reattach", "0"], cwd=tmp_path,
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "does not answer" in log.read_text(), 30, "the worker to say so")
+    finally:
+        kill_all([w])
+    said = [line for line in log.read_text().splitlines() if "does not answer" in line]
+    assert len(said) == 1 and f"does not answer at tcp://10.77.1.1:{port} (" in said[0], said
+    assert "127.0.0.1" not in said[0] and "unix" not in said[0], said
+
+
 ###############################################################################
 # Host ########################################################################
 ###############################################################################

@@ -53,19 +53,32 @@ NodeName=$host CPUs=$cpus RealMemory=$mem_mb$gres State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
 )
+# This Slurm's daemons are found by their pid files (Slurm's defaults), never by name: the
+# cluster of .ci/cluster-up.sh runs its own slurmctld and slurmd beside them.
+ctld_pid=/run/slurmctld.pid slurmd_pid=/run/slurmd.pid
+ours() {  # pid file, name: the live process it names, if it is that daemon
+  local pid
+  pid=$(cat "$1" 2>/dev/null || true)
+  [ -n "$pid" ] && grep -qx "$2" /proc/"$pid"/comm 2>/dev/null && echo "$pid"
+}
 if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$want" ]; then
   echo "$want" > "$conf"
-  pkill -x slurmctld 2>/dev/null || true
-  pkill -x slurmd 2>/dev/null || true
+  pids="$(ours $ctld_pid slurmctld || true) $(ours $slurmd_pid slurmd || true)"
+  kill $pids 2>/dev/null || true
   for _ in $(seq 1 30); do  # gone before they start again with the new config
-    pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break
+    alive=""
+    for pid in $pids; do [ -d /proc/"$pid" ] && alive=1; done
+    [ -z "$alive" ] && break
     sleep 0.5
   done
 fi
 
-pgrep -x munged >/dev/null || su -s /bin/sh munge -c munged
-pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
+# (munged serves this Slurm and the cluster's alike: started if it does not answer.)
+munge -n 2>/dev/null | unmunge >/dev/null 2>&1 || pgrep -x munged >/dev/null \
+  || su -s /bin/sh munge -c munged
+export SLURM_CONF=$conf  # (this machine's, whatever the caller's environment says)
+ours $ctld_pid slurmctld >/dev/null || slurmctld
+ours $slurmd_pid slurmd >/dev/null || slurmd
 
 for _ in $(seq 1 60); do
   state=$(sinfo -h -N -o %t 2>/dev/null | head -n 1 || true)
