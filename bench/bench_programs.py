@@ -227,16 +227,22 @@ def hyperqueue(batches, capture):
             submitted = client.submit(job)
             client.wait_for_jobs([submitted], raise_on_error=False)
             failed = client.get_failed_tasks(submitted)
-            results = []
-            for i, path in enumerate(paths):
-                code = 1 if i in failed else 0
-                if capture:
-                    with open(path) as f:
-                        results.append((code, f.read()))
-                else:
-                    results.append((code, None))
-            out.append((time.perf_counter() - t0, results))
+            codes = [1 if i in failed else 0 for i in range(len(paths))]
+            out.append((time.perf_counter() - t0, _with_outputs(codes, paths, capture)))
     return out
+
+
+def _with_outputs(codes, paths, capture):
+    """[(exit code, what the program wrote to its file, or None)] of a batch (the systems
+    that write a program's stdout to a file of their own, not back to the caller)."""
+    results = []
+    for code, path in zip(codes, paths):
+        if capture:
+            with open(path) as f:
+                results.append((code, f.read()))
+        else:
+            results.append((code, None))
+    return results
 
 
 def dask(batches, capture):
@@ -282,18 +288,13 @@ def parsl(batches, capture):
                      for i in range(len(argvs))]
             futures = [program(shlex.join(argv), stdout=path)
                        for argv, path in zip(argvs, paths)]
-            results = []
-            for future, path in zip(futures, paths):
+            codes = []
+            for future in futures:
                 try:
-                    code = future.result()
+                    codes.append(future.result())
                 except BashExitFailure as e:
-                    code = e.exitcode
-                if capture:
-                    with open(path) as f:
-                        results.append((code, f.read()))
-                else:
-                    results.append((code, None))
-            out.append((time.perf_counter() - t0, results))
+                    codes.append(e.exitcode)
+            out.append((time.perf_counter() - t0, _with_outputs(codes, paths, capture)))
     return out
 
 
