@@ -2576,14 +2576,17 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
             silent = current.get("lid")
 
     async def call(dialer):
+        urls = _order_urls(dialer)
         try:
-            stream = await _try_connect(_order_urls(dialer), key)
+            stream = await _try_connect(urls, key)
         except Unreachable as e:
-            return log.warning("could not reach the waiting worker at %s (%s); it will retry",
-                               ", ".join(_order_urls(dialer)) or "(no address)", e)
+            with edge.locked() as data:  # (gone, it seems: not called again)
+                data["dialer"] = [d for d in data["dialer"] if d != dialer]
+            return log.warning("could not reach the waiting worker at %s (%s); dropped its "
+                               "record", ", ".join(urls) or "(no address)", e)
         async with stream:  # (named by the address that answered, if its socket says)
             name = _peer_name(stream)
-            await handler(stream, _order_urls(dialer)[0] if name == "?" else name)
+            await handler(stream, urls[0] if name == "?" else name)
 
     try:
         async with open_strict_nursery() as nursery:
@@ -2600,7 +2603,9 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
                         log.warning("Edge file %s: %s", path, "replacing the stale record of "
                                     f"pid {current.get('pid')} on {current.get('host')}"
                                     if first else "our record was replaced; re-adding it")
-                    pending, data["dialer"] = data["dialer"], []
+                    # A worker's record stays until the worker takes it back, once called:
+                    # a call cut short (this head ending, killed) leaves it to the next head.
+                    pending = data["dialer"]
                     data["listener"] = dict(record, heartbeat=time.time())
                 for dialer in pending:
                     nursery.start_soon(call, dialer)
@@ -2718,8 +2723,6 @@ class Channel:
                 # wakes us when it ends -- means everything queued has gone out.
                 if self._closed and not self._out and not self._writing:
                     return
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._closed = True
         finally:
             self.flushed.set()
 
@@ -2738,6 +2741,10 @@ class Channel:
                         if self._seal is not None:
                             write.append(self._seal.tag(write))
                         await self._write(b"".join(write))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The peer went (its end closed as it went, say): what was queued goes nowhere,
+            # and receive() says it went. Not an error of the task that flushed.
+            self._closed, self._out = True, []
         finally:
             self._writing = False
             if self._closed:
@@ -6317,6 +6324,8 @@ class HeadService:
         self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
         self.urls = {}                # where it listens: {interface: url}
         self.joined_job_ids = set()   # batch job ids of every worker that ever registered
+        self.joining = set()          # channels of peers that have not said who they are
+        self.goodbye = None           # what say_goodbye told the workers
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until cancelled; started() with the URLs once peers can connect."""
@@ -6333,7 +6342,11 @@ class HeadService:
             async with open_channel(stream, peer, max_frame=self.max_frame) as channel:
                 if assign is not None:
                     channel.send(("assign", assign))
-                first = await channel.receive()
+                self.joining.add(channel)
+                try:
+                    first = await channel.receive()
+                finally:
+                    self.joining.discard(channel)
                 if first is not None:
                     await dispatch({"register": functools.partial(self._keep_worker, channel),
                                     "cli": functools.partial(self._answer, channel),
@@ -6380,8 +6393,8 @@ class HeadService:
     async def _serve_worker(self, channel, info, w):
         """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
         self.joined_job_ids.add(info.get("job_id"))
-        if self.job_book is not None and info.get("job_id"):
-            await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
+        if self.goodbye is not None:  # it registered as the mission ended: goodbye to it too
+            return channel.send(self.goodbye)
         w.ours = info.get("head") == self.owner.instance
         if info.get("reattach", 1):
             w.ident = f"{w.name} (pid {w.pid} on {w.host})"
@@ -6402,6 +6415,8 @@ class HeadService:
                  w.pid, w.offered)
         why, kind = "was lost (its connection closed)", RETRY_LOST
         try:
+            if self.job_book is not None and info.get("job_id"):
+                await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
             await receive_all(channel, w.message_handlers(), self.owner.pump)
         except PeerError as e:
             why = f"was dropped ({e})"
@@ -6427,14 +6442,16 @@ class HeadService:
 
     async def say_goodbye(self, abort=False):
         """FIN to every worker process (or, when the mission failed, "leave now": no one will
-        read what they are still computing), and wait (FLUSH_S at most) for it to go out."""
-        remote = [w for w in self.owner.scheduler.workers if w.channel is not None]
-        for w in remote:
-            w.channel.send(("leave",) if abort else ("fin",))
-            w.channel.close_after_flush()
+        read what they are still computing), and wait (FLUSH_S at most) for it to go out; to
+        a peer that has not said who it is yet too (a worker that registers hears it)."""
+        self.goodbye = ("leave",) if abort else ("fin",)
+        remote = [w.channel for w in self.owner.scheduler.workers if w.channel is not None]
+        for channel in remote:
+            channel.send(self.goodbye)
+            channel.close_after_flush()
         with trio.move_on_after(FLUSH_S):
-            for w in remote:
-                await w.channel.flushed.wait()
+            for channel in remote + list(self.joining):
+                await channel.flushed.wait()
 
     async def _watch_submitted_jobs(self):
         """Report loudly, with its log's tail, a batch job that ended without its worker

@@ -6745,6 +6745,84 @@ def test_a_worker_stopped_while_it_waits_for_a_head_takes_its_edge_record_back(w
     assert "SIGTERM while waiting for a head; leaving" in w.log_path.read_text()
 
 
+class _MissionFails(Exception):
+    pass
+
+
+async def _pause(seconds):
+    import trio
+    await trio.sleep(seconds)
+
+
+@pytest.mark.parametrize("moment", ["calling", "joining", "registered", "job"])
+@pytest.mark.parametrize("fails", [False, True])
+@trio_test
+async def test_a_mission_that_ends_as_its_worker_comes_leaves_it_serving_findable_or_gone(
+        workers, tmp_path, monkeypatch, moment, fails):
+    # A worker waiting in the Edge file is called by a mission that ends, or fails, at a
+    # drawn moment of its coming: as the head calls it (before the handshake), once the
+    # head holds its connection but not its registration, once registered, or with a job
+    # (running, when the mission fails). A worker the head held hears its goodbye and
+    # exits; one it did not is found by the next mission. Never a traceback, nor a
+    # worker alive that no head can find (its record taken by a call cut short).
+    rng = random.Random(f"{moment} {fails}")
+    edge, held = tmp_path / "edge", trio.Event()  # (set: the head holds the connection)
+    handle = grain.HeadService.handle_connection
+
+    async def noted(service, *args):
+        held.set()
+        await handle(service, *args)
+
+    monkeypatch.setattr(grain.HeadService, "handle_connection", noted)
+    url = f"edge://{edge}"
+    w = workers.start("--url", url, "--res", '{"Cores": {"N": 1}}')
+    with trio.fail_after(30):
+        while '"did"' not in (edge.read_text() if edge.exists() else ""):
+            await trio.sleep(0.05)  # (another process's file: nothing to await)
+    with contextlib.suppress(_MissionFails):
+        async with grain.GrainExecutor(listen=url) as exer:
+            if moment != "calling":
+                await held.wait()
+            if moment in ("registered", "job"):
+                await exer.wait_for_workers(1)
+            if moment == "job":
+                job = exer.submit(Cores(1), _pause, 30 if fails else 0.05)
+                if not fails:
+                    await job
+            await trio.sleep(rng.uniform(0, {"calling": 5e-4, "joining": 0}.get(moment, 0.02)))
+            was_held = held.is_set()
+            if fails:
+                raise _MissionFails
+    if not was_held:  # it waits for a head, or heard a goodbye nonetheless
+        async with grain.GrainExecutor(listen=url) as exer:
+            with trio.fail_after(30):
+                while w.poll() is None and not exer.workers:
+                    await trio.sleep(0.05)  # (joined, or gone)
+            if exer.workers:
+                assert (await exer.submit(Cores(1), where_am_i, 1))[1] == w.pid
+    with contextlib.suppress(trio.TooSlowError):
+        await wait_exit(w)
+    text = w.log_path.read_text()
+    assert w.poll() == 0 and "Traceback" not in text and "grain.py worker:" not in text, text
+    assert "lost the head" not in text or not was_held, text
+    assert "the head said goodbye" in text or (fails and was_held), text
+
+
+@trio_test
+async def test_a_receive_loop_whose_write_finds_its_peer_gone_ends_as_at_its_close():
+    # A worker told to leave as its mission failed answers "leaving" to a head that has
+    # closed its end already: the write fails (EPIPE), which is the peer gone, as the end
+    # of its input then says, not an error that ends the worker with a traceback.
+    left, right = (trio.SocketStream(s) for s in trio.socket.socketpair())
+    channel = grain.Channel(left, peer="the head")
+    await right.aclose()
+    channel.send(("leaving", "asked to quit now"))
+    await grain.receive_all(channel, {})
+    channel.send(("ping",))  # (nowhere to go: dropped)
+    assert channel._out == []
+    await left.aclose()
+
+
 @trio_test
 async def test_worker_context_module(workers, tmp_path):
     ctx = tmp_path / "ctx.py"
