@@ -397,6 +397,27 @@ def parse_duration(value, what):
                          f"got {value!r}") from None
 
 
+def _run_command(argv, what="query", hint="", timeout=None, stdin=None, check=True):
+    """Run ``argv`` for at most ``timeout`` seconds (BATCH_QUERY_S), output captured: its
+    stdout, or (``check`` false) its CompletedProcess whatever its exit status, for the
+    caller to tell a batch system's "no such job" from its failing to answer. GrainError,
+    one line naming the command, when it cannot run, does not return in time or
+    (``check``) exits non-zero: ``what`` failed, and ``hint``, what to do."""
+    timeout, hint = timeout or BATCH_QUERY_S, f" — {hint}" if hint else ""
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
+    except OSError as e:
+        raise GrainError(f"{argv[0]}: " + ("command not found" if isinstance(
+            e, FileNotFoundError) else e.strerror or str(e)) + hint) from None
+    except subprocess.TimeoutExpired:
+        raise GrainError(f"{what} failed: {argv[0]} did not return within {timeout:g} s"
+                         + hint) from None
+    if check and cp.returncode != 0:
+        msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
+        raise GrainError(f"{what} failed ({argv[0]} exit {cp.returncode}): {msg}")
+    return cp.stdout if check else cp
+
+
 def add_note(exc, note):
     """``exc.add_note`` on 3.11+; the same ``__notes__`` list below (shown by exceptiongroup)."""
     if hasattr(exc, "add_note"):
@@ -3951,16 +3972,12 @@ def directives(form, s, name, log):
         r"{(\w+)}", d))]
 
 
-def _query(argv):
-    return subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_QUERY_S)
-
-
 def _ask(argv, ids, listed, gone, words, key=lambda i: i):
     """``{id: state}`` of ``ids`` from one query (never one a job): ``listed(stdout)`` ->
     {key: the system's word for the state}, told through ``words`` (ENDED for those that
     finished); a job not listed has ENDED when ``gone(key, the query)`` (the system said
     it does not know it: its memory of finished jobs has passed), else UNKNOWN."""
-    cp = _query(argv)
+    cp = _run_command(argv, check=False)
     said = {key(k): word for k, word in listed(cp.stdout).items()}
     tell = words if callable(words) else lambda word: words.get(word, word)
     return {i: tell(said[key(i)]) if key(i) in said else
@@ -4016,20 +4033,20 @@ def _custom_states(ids, custom):
     if custom is None or not custom.status_cmd:  # nothing to ask: pending until it joins
         return dict.fromkeys(ids, UNKNOWN)
     cmd = shlex.split(custom.status_cmd)  # exits 0 while the job is queued or running
-    return {i: "ALIVE" if _query(cmd + [i]).returncode == 0 else ENDED for i in ids}
+    return {i: "ALIVE" if _run_command(cmd + [i], check=False).returncode == 0 else ENDED
+            for i in ids}
 
 
 def _slurm_time_left(job_id):
-    cp = _query(["squeue", "-h", "-j", job_id, "-o", "%e"])
-    end = cp.stdout.strip()
-    if cp.returncode == 0 and re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", end):
+    end = _run_command(["squeue", "-h", "-j", job_id, "-o", "%e"]).strip()
+    if re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", end):
         return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - time.time()
     return None
 
 
 def _pbs_time_left(job_id):
     """Torque's Walltime.Remaining, or (PBS Pro) the walltime asked less that used."""
-    out = _query(["qstat", "-f", job_id]).stdout
+    out = _run_command(["qstat", "-f", job_id])
     if m := re.search(r"Walltime\.Remaining\s*=\s*(\d+)", out):
         return float(m.group(1))
     asked, used = (re.search(rf"{k}\.walltime\s*=\s*(\S+)", out) for k in (
@@ -4040,7 +4057,7 @@ def _pbs_time_left(job_id):
 
 def _lsf_time_left(job_id):
     """``bjobs -o time_left``: "hours:minutes" and a letter (L: to the run limit)."""
-    out = _query(["bjobs", "-noheader", "-o", "time_left", job_id]).stdout
+    out = _run_command(["bjobs", "-noheader", "-o", "time_left", job_id])
     return int(m[1]) * 3600 + int(m[2]) * 60 if (m := re.match(r"\s*(\d+):(\d+)", out)) \
         else None
 
@@ -4054,7 +4071,7 @@ def parse_ids(text):
 def _slurm_cpu_ids(job_id):
     """The cores Slurm allocated to this job on this node (``scontrol show job -d``:
     CPU_IDs, in Slurm's numbering, which matches the OS's on most nodes), or None."""
-    out = _query(["scontrol", "show", "job", "-d", job_id]).stdout
+    out = _run_command(["scontrol", "show", "job", "-d", job_id])
     node = os.environ.get("SLURMD_NODENAME") or hostname()
     for nodes, ids in re.findall(r"Nodes=(\S+) CPU_IDs=([\d,-]+)", out):
         if nodes == node or len(re.findall(r"Nodes=", out)) == 1:
@@ -4165,7 +4182,7 @@ SYSTEMS = {
                      "unknown|not found", cp.stderr, re.I),
                  {"INACTIVE": ENDED, "RUN": "RUNNING", "CLEANUP": "RUNNING"},
                  lambda i: i.replace("\u0192", "f")),  # an id: ƒ..., or f... in ASCII
-             "time_left": lambda job: float(_query(["flux", "job", "timeleft"]).stdout),
+             "time_left": lambda job: float(_run_command(["flux", "job", "timeleft"])),
              "cpu_ids": None, "me": lambda e: e.get("FLUX_JOB_ID"), "array": None,
              "busy": _BUSY + "|Unable to connect|Connection refused",
              "hint": "is this a Flux instance's login node? If not, set system in grain.toml"},
@@ -4190,7 +4207,7 @@ def batch_states(system, ids, custom=None):
     spec = SYSTEMS.get(system)
     try:
         return spec["states"](ids, custom) if spec else dict.fromkeys(ids, UNKNOWN)
-    except (OSError, subprocess.SubprocessError) as e:
+    except GrainError as e:
         log.warning("could not ask the batch system about job(s) %s: %s", ", ".join(ids), e)
         return dict.fromkeys(ids, UNKNOWN)
 
@@ -4202,7 +4219,8 @@ def cancel_jobs(system, ids, custom):
     if not cancel:
         raise GrainError(f"no cancel command for system {system!r}")
     for some in [ids] if system != "custom" else [[i] for i in ids]:
-        _run_command(cancel + some, "cancel", "check custom_system.cancel_cmd, if it is yours")
+        _run_command(cancel + some, "cancel", "check custom_system.cancel_cmd, if it is yours",
+                     SUBMIT_S)
 
 
 def _stamp(text, when, seq=0):
@@ -4431,23 +4449,6 @@ class JobBook:
         return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
 
 
-def _run_command(argv, what, hint, timeout=None, stdin=None):
-    """The output of ``argv``; GrainError saying what failed (``hint``: what to do)."""
-    timeout = timeout or SUBMIT_S
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
-    except OSError as e:
-        raise GrainError(f"{argv[0]}: " + ("command not found" if isinstance(
-            e, FileNotFoundError) else e.strerror or str(e)) + f" — {hint}") from None
-    except subprocess.TimeoutExpired:
-        raise GrainError(f"{what} failed: {' '.join(argv[:1])} did not return within "
-                         f"{timeout:g} s — {hint}") from None
-    if cp.returncode != 0:
-        msg = (cp.stderr or cp.stdout).strip().replace("\n", " ")
-        raise GrainError(f"{what} failed ({' '.join(argv[:1])} exit {cp.returncode}): {msg}")
-    return cp.stdout
-
-
 def _submitter(s):
     """The SYSTEMS entry that submits a job script of settings ``s``."""
     c = s.custom_system  # upstream: a template of one's own, and its command, stand in
@@ -4473,8 +4474,8 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
     argv += list(extra_args) + ([] if spec.get("stdin") else [path])
     for attempt in range(SUBMIT_TRIES):  # a busy controller is tried again, with back-off
         try:
-            out = _run_command(argv, "submission", spec["hint"],
-                               stdin=script if spec.get("stdin") else None)
+            out = _run_command(argv, "submission", spec["hint"], SUBMIT_S,
+                               script if spec.get("stdin") else None)
             break
         except GrainError as e:
             if not re.search(spec["busy"], str(e), re.I):
@@ -4527,7 +4528,7 @@ def allocation_end():
     time_left = SYSTEMS[system]["time_left"] if system else None
     try:
         return time_left(job) if time_left else None
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (GrainError, ValueError):
         return None
 
 
@@ -4545,7 +4546,7 @@ def batch_cpu_ids(allowed):
     try:
         allowed = set(allowed)
         return [i for i in cpu_ids(job) or () if i in allowed] or None
-    except (OSError, subprocess.SubprocessError):
+    except GrainError:
         return None
 
 
@@ -4564,11 +4565,9 @@ def _memory_gb():
 
 def _tool_output(argv):
     """A GPU tool's output, or None when it is missing or fails."""
-    try:
-        cp = _query(argv)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return cp.stdout if cp.returncode == 0 else None
+    with contextlib.suppress(GrainError):
+        return _run_command(argv, "asking the GPUs")
+    return None
 
 
 def _nvidia_devices():
