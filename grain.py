@@ -3684,7 +3684,13 @@ _want_count = _want(lambda v: _is_number(v, int) and v >= 0, "a whole number >= 
 # upstream's examples write queue = "''" for "the default queue"
 _want_queue = _want(lambda v: isinstance(v, str), "a string",
                     lambda v: "" if v in ("''", '""') else v)
-BATCH_SYSTEMS = ("slurm", "pbs", "pbspro", "sge", "lsf", "flux", "custom")  # SYSTEMS' keys
+SYSTEMS = {}  # the batch systems by name, as data: filled in by the Cluster section
+
+
+def _want_system(v):
+    if v != "" and v not in SYSTEMS:
+        raise TypeError("one of " + ", ".join(map(repr, SYSTEMS)) + " (or \"\" for none)")
+    return v
 
 
 def _want_walltime(v):
@@ -3771,8 +3777,7 @@ class CustomSystem:
 class RoleSettings:
     """The merged settings of one role (head or worker)."""
     role: str
-    system: str = setting("", _want(lambda v: v in BATCH_SYSTEMS or v == "", "one of " + ", "
-                                    .join(map(repr, BATCH_SYSTEMS)) + " (or \"\" for none)"), _ALL)
+    system: str = setting("", _want_system, _ALL)
     address: str = setting("", None, _ALL, path=True)
     auth_key: str = setting("", None, _ALL, path=True)
     tls_cert: str = setting("", None, _ALL, path=True)  # "": no TLS (see load_auth_key)
@@ -4113,12 +4118,7 @@ _PBS = {"directive": "#PBS", "prologue": "cd \"$PBS_O_WORKDIR\"", "submit": lamb
         "connect to server", "hint": "is this a PBS login node? If not, set system in grain.toml"}
 _PBS_WORDS = {"C": ENDED, "F": ENDED, "X": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD",
               "B": "RUNNING"}
-SYSTEMS = {
-    "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
-               "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
-               "states": _custom_states, "time_left": None, "cpu_ids": None,
-               "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY, "array": None,
-               "hint": "check custom_system.submit_cmd in grain.toml"},
+SYSTEMS.update({
     "slurm": {"directive": "#SBATCH", "prologue": "",
               "lines": ["-J {name}", "-p {queue}", "--nodes=1", "--ntasks-per-node={cores}",
                         "--gres=gpu:{gpus}", "--mem={mb}M", "--time={time}", "-o {log}"],
@@ -4186,14 +4186,19 @@ SYSTEMS = {
              "cpu_ids": None, "me": lambda e: e.get("FLUX_JOB_ID"), "array": None,
              "busy": _BUSY + "|Unable to connect|Connection refused",
              "hint": "is this a Flux instance's login node? If not, set system in grain.toml"},
-}
-assert set(SYSTEMS) == set(BATCH_SYSTEMS)
+    "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
+               "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
+               "states": _custom_states, "time_left": None, "cpu_ids": None,
+               "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY, "array": None,
+               "hint": "check custom_system.submit_cmd in grain.toml"},
+})
 
 
 def batch_job():
-    """(system, job id) of the batch job this process runs in, or (None, None)."""
-    for system, spec in SYSTEMS.items():
-        if job_id := spec["me"](os.environ):
+    """(system, job id) of the batch job this process runs in, or (None, None); a custom
+    system's first (its jobs may run under another system, and are recorded by its ids)."""
+    for system in ("custom", *SYSTEMS):
+        if job_id := SYSTEMS[system]["me"](os.environ):
             return system, job_id
     return None, None
 
@@ -4455,7 +4460,7 @@ def _submitter(s):
     system = "custom" if c.template and c.submit_cmd else s.system
     if system not in SYSTEMS:
         raise ConfigError("no batch system configured: set system = " + ", ".join(
-            f'"{x}"' for x in BATCH_SYSTEMS) + " in grain.toml")
+            f'"{x}"' for x in SYSTEMS) + " in grain.toml")
     return SYSTEMS[system]
 
 
