@@ -4502,10 +4502,17 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
     return [r["id"] for r in records]
 
 
+def queue_room(s, n, queued):
+    """How many of ``n`` worker jobs of settings ``s`` may be submitted while ``queued``
+    are submitted and not joined: script.max_queued's room (0: no limit)."""
+    most = s.script.max_queued
+    return min(n, max(0, most - queued)) if most else n
+
+
 def submit_workers(s, n, extra_args=(), when=None, pause=time.sleep):
-    """Submit ``n`` worker jobs of settings ``s``: one array job of n tasks when
-    array_of(s, n), else n jobs, at most ``script.max_submit_rate`` a second. Yields
-    (seq, ids) as each submission is made."""
+    """Submit ``n`` worker jobs of settings ``s`` (`up`'s and the swarm's way): one array
+    job of n tasks when array_of(s, n), else n jobs, at most ``script.max_submit_rate`` a
+    second. Yields (seq, ids) as each submission is made."""
     when = time.time() if when is None else when
     tasks = n if array_of(s, n) else 0
     for seq in range(1 if tasks else n):  # one {{HHMMSS}} for all, numbered: names differ
@@ -8479,8 +8486,8 @@ class SwarmKeeper:
         """Submit a worker job, or (script.array) an array job of ``short`` workers, as far
         as the quota and script.max_queued allow."""
         now = trio.current_time()  # (the quota's clock: steady, and a test's mock one)
-        wait, most = self.quota_wait(now), self.settings.script.max_queued
-        if most and len(self.pending) >= most:
+        wait, room = self.quota_wait(now), queue_room(self.settings, short, len(self.pending))
+        if not room:
             self.note = f"max_queued reached: {len(self.pending)} worker job(s) queued"
             return
         if wait > 0:
@@ -8488,16 +8495,12 @@ class SwarmKeeper:
                          f"{format_walltime(self.window)}; the next is allowed in "
                          f"{format_walltime(wait)}")
             return
-        s, when = self.settings, time.time()
-        short = min(short, self.quota - len(self.submitted), most - len(self.pending) if most
-                    else short)
-        tasks = short if array_of(s, short) else 0
+        s, when, short = self.settings, time.time(), min(room, self.quota - len(self.submitted))
+        n = short if array_of(s, short) else 1  # one submission: an array job, or one job
         self.note = ""
-        self.submitted.extend([now] * max(1, tasks))
+        self.submitted.extend([now] * n)
         try:
-            ids = await trio.to_thread.run_sync(
-                submit_script, s, render_script(s, worker_command(s), when, 0, tasks), (),
-                "worker", when, 0, tasks)
+            ids = await trio.to_thread.run_sync(lambda: next(submit_workers(s, n, when=when))[1])
         except GrainError as e:
             self.note = f"the last submission failed: {e}"
             self.warn(f"swarm: {self.note}")
@@ -9311,13 +9314,13 @@ def _cmd_up(args):
     if args.dry:
         print(render_script(s, worker_command(s), None, 0, args.n), end="")
         return 0
-    n, most = args.n, s.script.max_queued
-    if most:  # the worker jobs still queued count (one query for them all)
+    n = args.n
+    if s.script.max_queued:  # the worker jobs still queued count (one query for them all)
         queued = sum(j["state"] != ENDED for j in submitted_jobs(JobBook(s.dial), s, set()))
-        if queued + n > most:
-            n = max(0, most - queued)
-            print(f"max_queued = {most} and {queued} worker job(s) are queued: submitting "
-                  f"{n} of {args.n}", file=sys.stderr)
+        n = queue_room(s, args.n, queued)
+        if n < args.n:
+            print(f"max_queued = {s.script.max_queued} and {queued} worker job(s) are queued: "
+                  f"submitting {n} of {args.n}", file=sys.stderr)
     when = time.time()
     for seq, ids in submit_workers(s, n, args.extra, when):
         name, log_file = job_name_and_log(s, when, seq)
