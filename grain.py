@@ -3694,13 +3694,10 @@ def _want_system(v):
 
 
 def _want_walltime(v):
-    if v == "":
-        return v  # do not ask the batch system for a walltime
     try:
-        parse_walltime(v)
+        return 0 if v == "" else parse_walltime(v)  # its seconds ("", 0: do not ask)
     except ValueError:
         raise TypeError("a walltime [d-]hh:mm:ss (\"\": do not ask)") from None
-    return v if isinstance(v, str) else format_walltime(v)
 
 
 def _want_str_list(v):
@@ -3749,7 +3746,7 @@ class ScriptSettings:
     """What a job script asks of the batch system, and how it sets up and cleans up."""
     shebang: str = "#!/bin/bash"
     queue: str = setting("", _want_queue)
-    walltime: str = setting("", _want_walltime)  # "", 0: do not ask (its default applies)
+    walltime: float = setting(0, _want_walltime)  # seconds; 0: do not ask (its default)
     cores: int = 0
     gpus: int = 0        # whole GPUs of the node to ask for (0: none)
     memory: float = setting(0, _want(lambda v: _is_number(v) and 0 <= v < math.inf,
@@ -3956,7 +3953,7 @@ ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody co
 def _directive_values(s, name, log):
     """What the directives of SYSTEMS name, from script settings ``s``; a falsy value is
     not asked for (the batch system's default applies)."""
-    seconds = parse_walltime(s.walltime) if s.walltime else 0
+    seconds = s.walltime
     minutes, mb = math.ceil(seconds / 60), max(1, int(s.memory * 1024)) if s.memory else 0
     return dict(name=name, log=log, queue=s.queue, cores=s.cores, gpus=s.gpus, mb=mb,
                 slot_mb=mb and max(1, int(s.memory * 1024 / max(1, s.cores))),
@@ -4261,7 +4258,7 @@ def worker_resources(s):
     if s.script.memory and "Node" not in s.res:
         res["Memory"] = {"M": round(s.script.memory * 14 / 15, 3)}
     if s.script.walltime:
-        left = max(60, parse_walltime(s.script.walltime) - LEAVE_BEFORE_S)
+        left = max(60, s.script.walltime - LEAVE_BEFORE_S)
         res["WTime"] = {"T": format_walltime(left), "countdown": True}
     res.update(s.res)
     return res
@@ -4342,9 +4339,12 @@ def _in_container(s, args, line):
 
 
 def _template_fields(s, name, log_file, setup, cleanup):
-    """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...)."""
+    """``c`` of upstream's custom templates (``{c.script.cores}``, ``{c.name}``, ...); the
+    walltime as hh:mm:ss, as upstream's were written."""
+    walltime = format_walltime(s.script.walltime, True) if s.script.walltime else ""
     script = types.SimpleNamespace(
-        **vars(s.script), setup="\n".join(setup), cleanup="\n".join(cleanup),
+        **dict(vars(s.script), walltime=walltime), setup="\n".join(setup),
+        cleanup="\n".join(cleanup),
         extra_args_str="\n".join(f"{s.custom_system.directive} {a}" for a in s.script.extra_args),
         res_str=json.dumps(worker_resources(s)))
     return types.SimpleNamespace(**dict(vars(s), name=name, log_file=log_file, script=script))
@@ -4409,7 +4409,7 @@ def _render_template(s, body, name, log_file, setup, cleanup, when, seq):
         fields = _template_fields(s, name, log_file, setup, cleanup)
         return template.format(
             name=name, queue=s.script.queue, cores=s.script.cores, gpus=s.script.gpus,
-            memory=s.script.memory, walltime=s.script.walltime, log_file=log_file,
+            memory=s.script.memory, walltime=fields.script.walltime, log_file=log_file,
             directives=fields.script.extra_args_str, main=body, c=fields)
     except (KeyError, AttributeError, IndexError, ValueError) as e:
         raise ConfigError(f"custom_system.template: cannot fill it in: "

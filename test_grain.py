@@ -2651,7 +2651,7 @@ def test_config_overrides_and_defaults(tmp_path):
     d = grain.Config().role("worker")
     # Upstream's defaults: ask the batch system for no cores, memory or walltime.
     assert d.system == "" and d.dial == grain.default_address() and d.script.cores == 0
-    assert d.script.memory == 0 and d.script.walltime == ""
+    assert d.script.memory == 0 and d.script.walltime == 0
     assert grain.parse_config('[head]\nidle_quit = "90s"\nswarm = 3', "y").role(
         "head").idle_quit == 90
     # The reference config is valid as it stands, and means the defaults.
@@ -2750,7 +2750,7 @@ def test_upstream_configs_pass_up_dry(tmp_path):
     assert res == {"Token": {"token": "has-gpu"}, "Capacity": {"V": 8}}
     h, w = (grain.parse_config(UPSTREAM_REFERENCE, "ref").role(r) for r in ("head", "worker"))
     assert h.gnaw_enabled and h.max_missions == 8 and h.idle_quit == 1800 and h.swarm == 0
-    assert w.script.queue == "" and h.script.walltime == "24:00:00" and w.cli_dial == w.dial
+    assert w.script.queue == "" and h.script.walltime == 86400 and w.cli_dial == w.dial
     slurm = tmp_path / "slurm.toml"
     slurm.write_text(UPSTREAM_REFERENCE.replace('system = ""', 'system = "slurm"'))
     cp = grain_cli("up", "--dry", "-c", str(slurm))
@@ -2858,7 +2858,7 @@ def test_render_pbs_and_custom_scripts():
         walltime = "1:00:00"
     """), "x.toml").role("worker")
     s = grain.render_script(custom, "MAIN", 0)
-    assert "#$ -N grain-worker -pe smp 1 -l h_rt=1:00:00 -o /" in s and "#$ -V\nMAIN" in s
+    assert "#$ -N grain-worker -pe smp 1 -l h_rt=01:00:00 -o /" in s and "#$ -V\nMAIN" in s
 
 
 def test_script_gpus_asks_the_batch_system():
