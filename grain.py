@@ -3833,7 +3833,8 @@ def _schema(table):
 
 
 def default_address():
-    return f"edge://{os.path.join(os.path.expanduser('~'), '.local', 'share', 'edge-file-default')}"
+    home = os.path.expanduser("~")
+    return f"edge://{os.path.join(home, '.local', 'share', 'edge-file-default')}"
 
 
 @dataclass(frozen=True)
@@ -4473,8 +4474,9 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
     argv = spec["submit"](s)
     scripts_dir = os.path.join(os.path.dirname(default_key_path()), "scripts")
     os.makedirs(scripts_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
-                                     f"-{os.urandom(3).hex()}.sh")
+    path = os.path.join(
+        scripts_dir, f"{role}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+        f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
     argv += list(extra_args) + ([] if spec.get("stdin") else [path])
     for attempt in range(SUBMIT_TRIES):  # a busy controller is tried again, with back-off
@@ -9408,7 +9410,8 @@ def _cmd_results(args):
         print(f"{function.ljust(width)}  {state.ljust(7)}  {count}")
     for call, error in failed:  # which inputs failed, and how (its error on one line, cut)
         print(f"failed: {call}: {' '.join((error or '').split()):.160}")
-    print(f"{sum(c for _, _, c in rows)} job(s), {size / 1e6:.2f} MB: {os.path.abspath(args.store)}")
+    print(f"{sum(c for _, _, c in rows)} job(s), {size / 1e6:.2f} MB: "
+          f"{os.path.abspath(args.store)}")
     return 0
 
 
