@@ -3644,8 +3644,8 @@ class Subprocified:
                 f"{_callable_name(self.fn)} is @subprocify'd and needs at least one core, but "
                 f"its job holds {res!r}: submit it with Cores(1) or more")
         pin = _real_cores(res)  # virtual (oversubscribed) ids pin nothing
-        deadline = trio.current_effective_deadline()
-        timeout = None if deadline == math.inf else deadline - trio.current_time() - SUBPROC_MARGIN_S
+        deadline = trio.current_effective_deadline() - SUBPROC_MARGIN_S
+        timeout = None if deadline == math.inf else deadline - trio.current_time()
         return await rt.pool.call(self.fn, args, kwargs, res, _INSTANCE.get(), pin, timeout)
 
     def __repr__(self):
