@@ -6817,7 +6817,9 @@ class MissionRecord:
         return {"jobs": len(jobs), "done": sum(j.state == "done" for j in jobs),
                 "failed": sum(j.state == "failed" for j in jobs), "used": used, "held": held}
 
-    def summary(self, jobs):
+    def summary(self, jobs, here=0):
+        """The totals of ``jobs`` in words; ``here``: the calls without resources besides
+        (run in the mission: not jobs, and not billed)."""
         t = self.totals(jobs)
         share = (f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%} "
                  "utilization)") if t["held"] else ""
@@ -6825,7 +6827,11 @@ class MissionRecord:
         how = "".join(f", {n} {k}" for k, n in (("failed", t["failed"]), ("not ended", unended))
                       if n)
         jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done{how})" if how else "")
-        return f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
+        text = f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
+        if here:
+            text = (text + "; " if t["jobs"] else "no job asked for resources; ") + \
+                f"{here} call(s) without resources ran in the mission"
+        return text
 
     def write_html(self, path, jobs, title="grain mission"):
         """The mission report (see the section) to ``path``; a failure is logged, not
@@ -7463,7 +7469,7 @@ class GrainExecutor(HeadCore):
                 self.elapsed = time.perf_counter() - self._t0
                 jobs = [j for j in self._jobs if not _asks_nothing(j.req)]
                 log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
-                         self.record.summary(jobs))
+                         self.record.summary(jobs, self._here))
                 if self.report:
                     self.record.write_html(self.report, jobs,
                                            f"grain mission {os.path.basename(sys.argv[0])}")

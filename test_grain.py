@@ -6006,9 +6006,10 @@ async def test_the_status_and_last_lines_count_calculations_not_their_wrappers(
             assert await each(calls) == [*range(9), None]
             assert _status(exer) == ("9/10 done, 0 running, 0 queued, 1 failed (raised: 1) | "
                                      "0/2 cores busy on 1 worker(s)")
-    # 100 core-seconds used of 2 cores for 50 s
+    # 100 core-seconds used of 2 cores for 50 s; the wrappers said apart
     assert re.search(r"for all jobs: [\d.]+s; 10 jobs \(9 done, 1 failed\), 0.0278 core-hours "
-                     r"used of 0.0278 allocated \(100% utilization\)$", caplog.text, re.M)
+                     r"used of 0.0278 allocated \(100% utilization\); 10 call\(s\) without "
+                     r"resources ran in the mission$", caplog.text, re.M)
 
 
 @pytest.mark.parametrize("where", ["main", "a task"])
@@ -6517,6 +6518,9 @@ def test_examples_run_unchanged(script, expect):
     for line in expect:
         assert line in cp.stdout
     assert "Time elapsed for all jobs:" in cp.stderr
+    if script == "tutorial.py":  # three calls, none asking for resources: no job, no bill
+        assert cp.stderr.rstrip().endswith("; no job asked for resources; 3 call(s) without "
+                                           "resources ran in the mission"), cp.stderr
 
 
 @trio_test
