@@ -563,44 +563,6 @@ async def open_background_nursery():
         await manager.__aexit__(None, None, None)
 
 
-async def retry(attempt, errors, pause, most=None, failed=None):
-    """``await attempt()`` until it returns, again after each of ``errors``: ``pause``
-    seconds later, each pause twice the last up to ``most`` (None: ``pause`` each time).
-    ``failed(error, pause)`` hears of each failure first, and may raise to give up. (Each
-    call starts afresh: a loop that lost what it reached calls again.)"""
-    while True:
-        try:
-            return await attempt()
-        except errors as e:
-            if failed is not None:
-                failed(e, pause)
-        await trio.sleep(pause)
-        pause = min(2 * pause, most or pause)
-
-
-class HeapFreezer:
-    """The cyclic collector's rule for jobs, which live until their mission ends: a full
-    collection of a heap of millions of them would pause the event loop for a quarter of a
-    second each time, so freeze(job) at each FREEZE_JOBS-th job taken (or freeze(): now)
-    freezes the heap as it is then (gc.freeze); thaw() gives it back to the collector when
-    the missions end."""
-
-    froze = False
-
-    def freeze(self, job=None):
-        if job is None or not job.id % FREEZE_JOBS:
-            gc.freeze()
-            self.froze = True
-
-    def thaw(self):
-        # (the next full collection walks them again; on Python 3.12 gc.unfreeze() also
-        # thaws what the interpreter froze at its start: no harm, it is walked as on the
-        # other Pythons, whose start freezes nothing)
-        if self.froze:
-            gc.unfreeze()
-            self.froze = False
-
-
 class TaskPool:
     """Runs ``await fn(*args)`` for each ``start(*args)`` in tasks of ``nursery`` that it
     reuses: a task done with one call waits to be handed the next (up to IDLE_TASKS of them
@@ -2306,18 +2268,8 @@ class FrameStream:
         return self._ready.popleft()
 
 
-def _bridge_url(url):
-    """``(label, host, port, {option: value})`` of a bridge:// URL; ValueError otherwise."""
-    m = re.match(r"^bridge://([^@/,|]+)@([^:/?@]+):(\d+)/?(?:\?([^#]*))?$", url)
-    if not m or int(m.group(3)) > 65535:
-        raise ValueError(f"malformed address {url!r}: expected "
-                         "bridge://LABEL@HOST:PORT[?iface=NAME]")
-    options = dict(kv.split("=", 1) for kv in (m.group(4) or "").split("&") if "=" in kv)
-    return m.group(1), m.group(2), int(m.group(3)), options
-
-
 def parse_url(url):
-    """``(scheme, host, port_or_path)`` for tcp/unix/edge/bridge URLs; ValueError otherwise."""
+    """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
     if not (m := re.match(r"^([a-z]+)://(.*)$", url or "")):
         raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
                          "unix:///path, edge:///abs/path or bridge://LABEL@HOST:PORT")
@@ -2328,7 +2280,11 @@ def parse_url(url):
             raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
         return scheme, host.strip("[]"), int(port)
     if scheme == "bridge":
-        return scheme, *_bridge_url(url)[1:3]
+        m = re.match(r"^([^@/,|]+)@([^:/?@]+):(\d+)/?(\?[^#]*)?$", rest)
+        if not m or int(m.group(3)) > 65535:
+            raise ValueError(f"malformed address {url!r}: expected "
+                             "bridge://LABEL@HOST:PORT[?iface=NAME]")
+        return scheme, m.group(2), int(m.group(3))
     if scheme in ("unix", "edge"):
         if not rest.startswith("/"):
             raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
@@ -2699,7 +2655,7 @@ async def connect(url, key, *, wait=False):
         with edge.locked() as data:
             record = data["listener"]
         if EdgeFile.live(record) and record.get("lid") == other:  # not ours, still there
-            await trio.sleep(EDGE_HEARTBEAT_S)  # (a wait for it to go, no try: not retry())
+            await trio.sleep(EDGE_HEARTBEAT_S)
             continue
         if EdgeFile.live(record):
             try:
@@ -2753,12 +2709,10 @@ class Channel:
         self.stream, self.peer = stream, peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
         self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
-        # A plain socket (not TLS's), read and written directly at its file descriptor: see
-        # _read, _write. The descriptor is asked for each time: -1 once the socket is closed,
-        # never a number the system has since given to another file. (The bound method, kept:
-        # trio 0.22 finds a socket's fileno through __getattr__, ten times as slow.)
-        self._fileno = stream.socket.fileno if type(stream) is trio.SocketStream else None
-        if self._fileno is not None:
+        # A plain socket's own object, read and written directly (not TLS's): see _read, _write
+        self._sock = getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream \
+            else None
+        if self._sock is not None:
             self._frames.receive_some = self._read
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
@@ -2767,8 +2721,8 @@ class Channel:
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
-        self.clock = trio.lowlevel.current_clock().current_time  # (read once a frame)
-        self.last_heard = self.clock()
+        self._clock = trio.lowlevel.current_clock().current_time  # (read once a frame)
+        self.last_heard = self._clock()
         self.silent_after = silent_after  # seconds of silence open_channel's watchdog allows
         self.silent = False           # set when the watchdog gave up on the peer
 
@@ -2819,9 +2773,9 @@ class Channel:
 
     async def _write(self, data):
         """To the socket itself what the kernel takes at once; the rest to trio's send_all."""
-        if self._fileno is not None:
+        if self._sock is not None:
             try:
-                data = data[os.write(self._fileno(), data):]  # (non-blocking)
+                data = data[self._sock.send(data):]  # (non-blocking)
             except BlockingIOError:
                 pass
             except OSError as e:
@@ -2836,12 +2790,12 @@ class Channel:
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             try:
-                data = os.read(self._fileno(), most)
+                data = self._sock.recv(most)
             except BlockingIOError:
                 while True:
-                    await trio.lowlevel.wait_readable(self._fileno())
+                    await trio.lowlevel.wait_readable(self._sock)
                     with contextlib.suppress(BlockingIOError):
-                        return os.read(self._fileno(), most)
+                        return self._sock.recv(most)
         except OSError as e:
             raise trio.BrokenResourceError(f"{e}") from None
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -2866,7 +2820,7 @@ class Channel:
                 return None
             if frame is None:
                 return None
-            self.last_heard = self.clock()
+            self.last_heard = self._clock()
             for frame in (frame,) if self._seal is None else self._seal.opened(
                     frame, self.peer, self._max_frame):
                 try:
@@ -2896,7 +2850,7 @@ async def _watch_silence(channel, scope):
     """open_channel's watchdog: cancels ``scope`` (see there); one task, not a scope a receive."""
     while True:
         limit = channel.silent_after
-        quiet = channel.clock() - channel.last_heard
+        quiet = trio.current_time() - channel.last_heard
         if limit is not None and quiet >= limit:
             channel.silent = True
             scope.cancel()
@@ -2961,9 +2915,12 @@ CHOSEN = b"\x01"          # the worker's word on the stream it chose
 def bridge_target(url, key):
     """``(host, port, label, options)`` of a bridge:// URL; the label is what the bridge
     sees: only holders of the key pair up, and the bridge never learns it."""
-    name, host, port, options = _bridge_url(url)
-    label = hmac.new(key, b"grain bridge label " + name.encode(), hashlib.sha256).hexdigest()[:32]
-    return host, port, label, options
+    parse_url(url)
+    m = re.match(r"^bridge://([^@]+)@([^:]+):(\d+)/?(?:\?(.*))?$", url)
+    options = dict(kv.split("=", 1) for kv in (m.group(4) or "").split("&") if "=" in kv)
+    label = hmac.new(key, b"grain bridge label " + m.group(1).encode(),
+                     hashlib.sha256).hexdigest()[:32]
+    return m.group(2), int(m.group(3)), label, options
 
 
 async def bridge_send(stream, text):
@@ -3032,9 +2989,10 @@ async def _meet(host, port, label, options, other=None):
 
         async def dial(address):
             h, _, p = address.rpartition(":")
-            stream = await retry(lambda: _dial_from(mine, h, int(p)), (OSError, ValueError),
-                                 BRIDGE_PUNCH_S)
-            found.send_nowait((stream, "direct"))
+            while True:
+                with contextlib.suppress(OSError, ValueError):
+                    return found.send_nowait((await _dial_from(mine, h, int(p)), "direct"))
+                await trio.sleep(BRIDGE_PUNCH_S)
 
         async def relay():
             await trio.sleep(0 if relay_only else BRIDGE_DIRECT_S)
@@ -3092,9 +3050,10 @@ async def _chosen(candidates):
 
 
 async def _serve_bridge(url, key, on_accept, task_status):
-    """serve() for a bridge:// URL: keep our place on the bridge (back on it when it goes,
-    after a growing pause while it cannot be reached) and meet each worker it announces."""
+    """serve() for a bridge:// URL: keep our place on the bridge (back on it, after a
+    growing pause, when it cannot be reached or goes) and meet each worker it announces."""
     host, port, label, options = bridge_target(url, key)
+    pause = 0.0
 
     async def meet(worker):
         try:
@@ -3105,25 +3064,22 @@ async def _serve_bridge(url, key, on_accept, task_status):
         async with stream:
             await on_accept(stream)
 
-    async def on_the_bridge():  # (until it goes)
-        async with await _dial_from(0, host, port) as stream:
-            await bridge_send(stream, f"INIT,{label},")
-            log.info("on the bridge %s:%d", host, port)
-            try:
-                while True:
-                    nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
-            except (OSError, PeerError, trio.BrokenResourceError) as e:
-                log.warning("lost the bridge at %s:%d (%s)", host, port, e)
-
-    def failed(e, pause):
-        log.warning("cannot reach the bridge at %s:%d (%s); trying again in %g s",
-                    host, port, getattr(e, "strerror", None) or e, pause)
-
     async with open_strict_nursery() as nursery:
         task_status.started({"bridge": url})  # (workers wait for us as for a late head)
         while True:
-            await retry(on_the_bridge, (OSError, PeerError, trio.BrokenResourceError), 1.0,
-                        BRIDGE_BACKOFF_S, failed)
+            try:
+                async with await _dial_from(0, host, port) as stream:
+                    await bridge_send(stream, f"INIT,{label},")
+                    if pause:
+                        log.info("on the bridge %s:%d again", host, port)
+                    pause = 0.0
+                    while True:
+                        nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
+            except (OSError, PeerError, trio.BrokenResourceError) as e:
+                pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
+                log.warning("cannot reach the bridge at %s:%d (%s); trying again in %g s",
+                            host, port, getattr(e, "strerror", None) or e, pause)
+            await trio.sleep(pause)
 
 
 async def _connect_bridge(url, key, wait):
@@ -3131,8 +3087,8 @@ async def _connect_bridge(url, key, wait):
     Without ``wait``, a head must answer within CLI_TIMEOUT_S; with it, we wait for the
     head, and try the bridge again, after a growing pause, while it cannot be reached."""
     host, port, label, options = bridge_target(url, key)
-
-    async def attempt():
+    pause = 0.0
+    while True:
         try:
             with trio.fail_after(math.inf if wait else CLI_TIMEOUT_S):
                 stream = await _meet(host, port, label, options)
@@ -3144,15 +3100,13 @@ async def _connect_bridge(url, key, wait):
         except trio.TooSlowError:
             raise Unreachable(f"no head answered through the bridge {host}:{port} within "
                               f"{CLI_TIMEOUT_S:g} s") from None
-
-    def failed(e, pause):
-        why = f"the bridge {host}:{port}: {getattr(e, 'strerror', None) or e}"
-        if not wait:
-            raise Unreachable(why) from None
-        log.warning("%s; trying again in %g s", why, pause)
-
-    return await retry(attempt, (OSError, PeerError, trio.BrokenResourceError), 1.0,
-                       BRIDGE_BACKOFF_S, failed)
+        except (OSError, PeerError, trio.BrokenResourceError) as e:
+            why = f"the bridge {host}:{port}: {getattr(e, 'strerror', None) or e}"
+            if not wait:
+                raise Unreachable(why) from None
+            pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
+            log.warning("%s; trying again in %g s", why, pause)
+        await trio.sleep(pause)
 
 
 MORE_SCHEMES["bridge"] = (_serve_bridge, _connect_bridge)
@@ -6626,25 +6580,22 @@ async def attach_to_head(address, key, argv, log_file):
 
     if (stream := await existing()) is not None:
         return stream
+    started = trio.current_time()
     proc = spawn_head(argv, log_file)
     log.info("started a head daemon (pid %d) for %s; its log: %s", proc.pid, address, log_file)
-
-    async def answered():
-        try:
+    while True:
+        await trio.sleep(HEAD_POLL_S)
+        with contextlib.suppress(Unreachable):
             return await connect(sock, key)
-        except Unreachable:
-            if proc.poll() is None:  # (starting still)
-                raise
-        if (stream := await existing()) is not None:  # it may have lost a race with another
-            return stream
-        tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
-        raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
-                         f"answering; the end of its log {log_file}: {tail}")  # (one line)
-
-    with trio.move_on_after(HEAD_START_S):
-        return await retry(answered, Unreachable, HEAD_POLL_S)
-    raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
-                     f"{HEAD_START_S:g} s; see its log {log_file}")
+        if proc.poll() is not None:  # it may have lost a race with another one: try that
+            if (stream := await existing()) is not None:
+                return stream
+            tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
+            raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
+                             f"answering; the end of its log {log_file}: {tail}")  # (one line)
+        if trio.current_time() - started > HEAD_START_S:
+            raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
+                             f"{HEAD_START_S:g} s; see its log {log_file}")
 
 
 class Unlimited(Resource):
@@ -7184,7 +7135,7 @@ class GrainExecutor(HeadCore):
         self._wire_base = int.from_bytes(os.urandom(5), "big") << 24
         self._outstanding = 0
         self._all_done = None
-        self._heap = HeapFreezer()  # (see _track)
+        self._froze = False  # whether it froze the collector's view of the heap (_track)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = self.elapsed = None
 
@@ -7233,7 +7184,11 @@ class GrainExecutor(HeadCore):
         self._jobs.append(job)
         self._here += _asks_nothing(job.req)
         self._outstanding += 1
-        self._heap.freeze(job)
+        if not job.id % FREEZE_JOBS:
+            # The jobs live until the mission ends: a full collection of a heap of millions
+            # of them would pause the event loop for a quarter of a second each time.
+            gc.freeze()
+            self._froze = True
 
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
@@ -7452,7 +7407,9 @@ class GrainExecutor(HeadCore):
     async def _close(self):
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
-        self._heap.thaw()
+        if self._froze:  # (the next full collection walks them again; on Python 3.12 so
+            gc.unfreeze()  # it does what the interpreter froze at its start: no harm, it is
+            # walked as on the other Pythons, whose start freezes nothing)
 
     async def __aexit__(self, etype, exc, tb):
         try:
@@ -8260,8 +8217,12 @@ class WorkerProcess:
         with trio.move_on_at(self.until), trio.CancelScope() as self._attending:
             while self.head is None and any(type(jid) is not str for jid in self.running):
                 await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
-            return await retry(reconnect, (Unreachable, OSError, PeerError), REATTACH_POLL_S,
-                               failed=lambda e, _: log.debug("no head yet: %s", e))
+            while True:
+                try:
+                    return await reconnect()
+                except (Unreachable, OSError, PeerError) as e:
+                    log.debug("no head yet: %s", e)
+                await trio.sleep(REATTACH_POLL_S)
         return None
 
     def on_function(self, digest, data):
@@ -8570,7 +8531,6 @@ class HeadDaemon(HeadCore):
                                    commands={"stats": self._stats, "stop": self._stop,
                                              "scale": self._scale}, specialized=False)
         self.missions = []
-        self.heap = HeapFreezer()  # (frozen while missions are attached)
         self.mission_socket, self.idle_quit = mission_socket, idle_quit
         self.log_file, self.max_missions = log_file, max_missions
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
@@ -8671,9 +8631,8 @@ class HeadDaemon(HeadCore):
         channel.silent_after = MISSION_SILENT_S  # its main may block its event loop a while
         m = MissionQueue(channel, info)
         self.missions.append(m)
-        # (What it holds already, a swarm's workers, lives on: while missions run, full
-        # collections walk only what came since; each took 70 ms with 1,000.)
-        self.heap.freeze()
+        gc.freeze()  # (what it holds already, a swarm's workers, lives on: while missions
+        # run, full collections walk only what came since; each took 70 ms with 1,000)
         self.scheduler.add_queue(m)
         self._changed()
         channel.send(("attached", {"pid": os.getpid(), "host": hostname(), "log": self.log_file,
@@ -8700,7 +8659,8 @@ class HeadDaemon(HeadCore):
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
         job.ref, job.wire, job.payload = ref, f"{m.token}/{ref}", payload
-        self.heap.freeze(job)
+        if not job.id % FREEZE_JOBS:  # (as a mission does: see GrainExecutor._track)
+            gc.freeze()
         if not (resumed and self.reunion.offer(job, hold=True)):
             self.scheduler.push(job)
 
@@ -8716,8 +8676,8 @@ class HeadDaemon(HeadCore):
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
                  f"; dropped {dropped} queued and cancelled {len(running)} running job(s)"
                  if dropped or running else "")
-        if not self.missions:
-            self.heap.thaw()
+        if not self.missions:  # (what _accept_job froze is the collector's again)
+            gc.unfreeze()
         self.pump()
 
     def _changed(self):
