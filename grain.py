@@ -6591,8 +6591,10 @@ async def attach_to_head(address, key, argv, log_file):
             if (stream := await existing()) is not None:
                 return stream
             tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
-            raise GrainError(f"the head daemon exited (status {proc.returncode}) before "
-                             f"answering; the end of its log {log_file}: {tail}")  # (one line)
+            # (killed by a signal, it says nothing of the next one: the link tries again)
+            error = PeerError if proc.returncode < 0 else GrainError
+            raise error(f"the head daemon exited (status {proc.returncode}) before "
+                        f"answering; the end of its log {log_file}: {tail}")  # (one line)
         if trio.current_time() - started > HEAD_START_S:
             raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
                              f"{HEAD_START_S:g} s; see its log {log_file}")

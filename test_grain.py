@@ -7283,6 +7283,24 @@ async def test_a_daemon_that_closes_before_answering_a_mission_is_passed_over(au
                           f"before answering ({grain.ATTACH_TRIES} times in a row)")
 
 
+@pytest.mark.parametrize("how", ["killed", "exits"])
+@trio_test
+async def test_a_daemon_that_dies_before_its_mission_reaches_it(tmp_path, how):
+    # Killed by a signal before the mission could reach it (the same fault, earlier): the
+    # mission's link tries another, as for one that closed on it (PeerError); one that
+    # exits by itself (a bad config) fails the mission at once, with the end of its log.
+    code = ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)" if how == "killed"
+            else "import sys; print('bad config'); sys.exit(2)")
+    key = grain.load_auth_key(str(tmp_path / "key"))
+    with pytest.raises(grain.GrainError) as info:
+        await grain.attach_to_head(f"edge://{tmp_path}/edge", key, [sys.executable, "-c", code],
+                                   str(tmp_path / "head.log"))
+    assert isinstance(info.value, grain.PeerError) == (how == "killed")
+    status = -9 if how == "killed" else 2
+    assert f"the head daemon exited (status {status}) before answering" in str(info.value)
+    assert how == "killed" or str(info.value).endswith(": bad config")
+
+
 @trio_test
 async def test_a_worker_without_a_head_leaves_when_its_grace_ends_on_the_clock(autojump_clock):
     head_side, worker_side = trio.testing.memory_stream_pair()
