@@ -2596,6 +2596,8 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
         except Unreachable:
             silent = current.get("lid")
 
+    calling = set()  # the waiting workers being called: one call each at a time
+
     async def call(dialer):
         urls = _order_urls(dialer)
         try:
@@ -2605,6 +2607,8 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
                 data["dialer"] = [d for d in data["dialer"] if d != dialer]
             return log.warning("could not reach the waiting worker at %s (%s); dropped its "
                                "record", ", ".join(urls) or "(no address)", e)
+        finally:
+            calling.discard(dialer.get("did"))
         async with stream:  # (named by the address that answered, if its socket says)
             name = _peer_name(stream)
             await handler(stream, urls[0] if name == "?" else name)
@@ -2629,7 +2633,9 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
                     pending = data["dialer"]
                     data["listener"] = dict(record, heartbeat=time.time())
                 for dialer in pending:
-                    nursery.start_soon(call, dialer)
+                    if dialer.get("did") not in calling:
+                        calling.add(dialer.get("did"))
+                        nursery.start_soon(call, dialer)
                 if first:
                     task_status.started(urls)
                     first = False
@@ -4960,7 +4966,7 @@ class ResultStore:
         # The workers (Worker.ident) this run sent jobs to, and those the run before sent
         # some to when it died: named in the holder file before a job goes, for a job sent
         # within STORE_FLUSH_S of that death has no entry to name its worker.
-        self.workers, self.last_workers = [], set()
+        self.workers, self.last_workers = {}, set()  # (a dict: in order, looked up)
         self._lock = threading.Lock()  # the database, between threads
 
     # -- opening and holding -------------------------------------------------------
@@ -5043,10 +5049,11 @@ class ResultStore:
 
     def add_worker(self, ident):
         """Name the worker ``ident`` in the holder file (None: write it as it is)."""
-        self.workers += [ident] if ident else []
+        if ident:
+            self.workers[ident] = None
         with open(self.holder + ".new", "w") as f:  # (then renamed: a kill leaves no half)
             json.dump({"host": hostname(), "pid": os.getpid(), "since": self.since,
-                       "workers": self.workers}, f)
+                       "workers": list(self.workers)}, f)
         os.replace(self.holder + ".new", self.holder)
 
     def _stale_holder(self):
@@ -5279,7 +5286,8 @@ class MissionResults:
         job.wire = _key_text(job.wire)
         self._sent[job.wire] = job
         if job.worker.ident and job.worker.ident not in self.store.workers:
-            self.store.add_worker(job.worker.ident)
+            with contextlib.suppress(OSError):  # (a full disk costs a resume a hold, not a job)
+                self.store.add_worker(job.worker.ident)
 
     async def fetch(self, job):
         """``(value, error, kind)`` stored for a known job."""
@@ -6575,8 +6583,12 @@ async def attach_to_head(address, key, argv, log_file):
 
     async def existing():
         for url in (sock, address):
-            with contextlib.suppress(Unreachable):
+            try:
                 return await connect(url, key)
+            except KeyMismatch:  # (one answered: the mission is told why, not a second started)
+                raise
+            except Unreachable:
+                pass
 
     if (stream := await existing()) is not None:
         return stream

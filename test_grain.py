@@ -7286,6 +7286,29 @@ async def test_a_daemon_that_closes_before_answering_a_mission_is_passed_over(au
                           f"before answering ({grain.ATTACH_TRIES} times in a row)")
 
 
+@trio_test
+async def test_a_mission_whose_daemon_holds_another_key_is_told_so_and_starts_none(tmp_path):
+    # The daemon on this host answers with another key: the mission is told that, naming
+    # the key files, and starts no second daemon (which would have failed, its socket
+    # taken, and been named as the cause).
+    address = f"edge://{tmp_path}/edge"
+    there = grain.load_auth_key(str(tmp_path / "there" / "key"))
+    here = grain.load_auth_key(str(tmp_path / "here" / "key"))
+    marker = tmp_path / "started"
+
+    async def nothing(stream, peer):
+        pass
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(grain.serve, f"unix://{grain.mission_socket_path(address)}",
+                            there, nothing)
+        with pytest.raises(grain.KeyMismatch, match="holds another key"):
+            await grain.attach_to_head(address, here, ["touch", str(marker)],
+                                       str(tmp_path / "head.log"))
+        nursery.cancel_scope.cancel()
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("how", ["killed", "exits"])
 @trio_test
 async def test_a_daemon_that_dies_before_its_mission_reaches_it(tmp_path, how):
