@@ -55,9 +55,9 @@ if not os.path.basename(RUN_HOME).startswith("grain-test-home-"):
 import grain
 
 try:
-    ExceptionGroup
+    BaseExceptionGroup
 except NameError:  # Python < 3.11
-    from exceptiongroup import ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 from grain import GVAR
 from grain.delayed import delayed, each, run
 from grain.resource import ZERO, Capacity, Cores, Gpus, Memory, Node, Token, WTime
