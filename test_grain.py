@@ -2504,18 +2504,92 @@ async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_pa
     await _group_gone(pgid)
 
 
-async def _program_cores():
+async def _program_cores(cwd=None):
     """The cores the job was given, and those its program may run on (as the kernel says)."""
     import subprocess
     from grain import GVAR, parse_ids, run_program
     r = await run_program(["grep", "Cpus_allowed_list", "/proc/self/status"],
-                          stdout=subprocess.PIPE)
+                          stdout=subprocess.PIPE, cwd=cwd)
     return list(GVAR.res.c), parse_ids(r.stdout.split()[1].decode())
 
 
-async def _start_missing(path):
+async def _start_missing(path, cwd=None):
     from grain import run_program
-    await run_program([str(path), "--in", "h2o.xyz"])
+    await run_program([str(path), "--in", "h2o.xyz"], cwd=cwd)
+
+
+def _marked_processes(mark):
+    """Pids of the live processes whose environment holds GRAIN_TEST_MARK=``mark``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"GRAIN_TEST_MARK={mark}".encode() in f.read().split(b"\0") \
+                        and pid_running(int(entry)):
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("after", [0, 0.0002, 0.001, 0.003, 0.01, 0.05, 0.5])
+@trio_test
+async def test_a_program_cancelled_at_any_moment_leaves_nothing_running(after):
+    # A job is cancelled before the thread that starts its program began, as the program
+    # starts, while it starts children of its own, and while they run: when run_program
+    # has returned, the thread is done and no process of the program's is left.
+    mark = f"{os.getpid()}-{after}"
+    with trio.move_on_after(after) as scope:
+        await grain.run_program("sleep 60 & sleep 60 & wait",
+                                env=dict(os.environ, GRAIN_TEST_MARK=mark))
+    assert scope.cancelled_caught
+    with trio.fail_after(5):   # (a signalled process takes a moment to end)
+        while _marked_processes(mark):
+            await trio.sleep(0.02)
+
+
+def test_a_program_whose_job_was_cancelled_as_it_started_is_killed_by_its_thread(
+        monkeypatch):
+    # The job's task gives up while the thread is starting the program, before the pid is
+    # known to it: the thread must stop the program itself, at once (then the task's wait
+    # ends). A job that gave up before the thread began starts nothing.
+    options = dict(shell=True, cwd=None, stdin=None, stdout=None, stderr=subprocess.PIPE,
+                   env=dict(os.environ))
+    program, start = grain._Program(), grain._start_pinned
+
+    def start_then_give_up(*args):
+        started = start(*args)
+        program.cancelled = True
+        return started
+
+    monkeypatch.setattr(grain, "_start_pinned", start_then_give_up)
+    code, _, _ = program.run("sleep 60", [], options, None)
+    assert code == -signal.SIGKILL and program.ended
+    late = grain._Program()
+    late.cancelled = True
+    assert late.run("sleep 60", [], options, None) is None and late.pid is None
+
+
+@trio_test
+async def test_programs_are_not_limited_to_trios_threads_and_keep_their_signals(tmp_path):
+    # Each program has a thread for its whole run: more than trio's default 40 of them
+    # run at once. Each gets the signals Python ignores back, as a shell's would: `yes`
+    # in a pipeline ends quietly when its reader has gone.
+    n, go = 45, tmp_path / "go"
+    started = tmp_path / "started"
+    started.mkdir()
+
+    async def one(i):
+        done = await grain.run_program(
+            f"touch {started}/{i}; while [ ! -e {go} ]; do sleep 0.01; done; yes | head -1",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert (done.stdout, done.stderr) == (b"y\n", b"")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+        with trio.fail_after(30):
+            while len(os.listdir(started)) < n:
+                await trio.sleep(0.02)
+        go.touch()
 
 
 @pytest.mark.parametrize("where", ["the mission's own worker", "a worker process"])
@@ -2537,17 +2611,24 @@ async def test_each_program_runs_on_exactly_its_jobs_cores(workers, tmp_path, wh
             assert len(given) == n and pinned == given
         # (the thread that starts a program gets its own cores back: it is trio's, and
         # starts the next job's program, or an unpinned one, next)
-        after = await trio.to_thread.run_sync(
-            lambda: (grain._popen_pinned(["true"], cores[:1], {}).wait(),
-                     sorted(os.sched_getaffinity(0))))
-        assert after == (0, cores)
+        for cwd in (None, str(tmp_path)):   # (posix_spawn, and Popen for a cwd)
+            options = dict(shell=False, cwd=cwd, stdin=None, stdout=None,
+                           stderr=subprocess.PIPE, env=dict(os.environ))
+            after = await trio.to_thread.run_sync(
+                lambda: (grain._start_pinned(["true"], cores[:1], options).wait(),
+                         sorted(os.sched_getaffinity(0))))
+            assert after == (0, cores)
+        # The same cores through Popen, which starts a program that has a cwd.
+        given, pinned = await exer.submit(Cores(1), _program_cores, str(tmp_path))
+        assert pinned == given
         # A program that cannot start costs its job, named, not the worker.
         script = tmp_path / "not-executable"
         script.write_text("#!/bin/sh\n")
         for path, error in [(tmp_path / "no-such-program", FileNotFoundError),
                             (script, PermissionError)]:
-            with pytest.raises(error, match=re.escape(str(path))):
-                await exer.submit(Cores(1), _start_missing, path)
+            for cwd in (None, str(tmp_path)):
+                with pytest.raises(error, match=re.escape(str(path))):
+                    await exer.submit(Cores(1), _start_missing, path, cwd)
         assert len((await exer.submit(Cores(1), _program_cores))[1]) == 1
 
 
