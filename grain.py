@@ -565,6 +565,21 @@ async def open_background_nursery():
         await manager.__aexit__(None, None, None)
 
 
+async def retry(attempt, errors, pause, most=None, failed=None):
+    """``await attempt()`` until it returns, again after each of ``errors``: ``pause``
+    seconds later, each pause twice the last up to ``most`` (None: ``pause`` each time).
+    ``failed(error, pause)`` hears of each failure first, and may raise to give up. (Each
+    call starts afresh: a loop that lost what it reached calls again.)"""
+    while True:
+        try:
+            return await attempt()
+        except errors as e:
+            if failed is not None:
+                failed(e, pause)
+        await trio.sleep(pause)
+        pause = min(2 * pause, most or pause)
+
+
 class TaskPool:
     """Runs ``await fn(*args)`` for each ``start(*args)`` in tasks of ``nursery`` that it
     reuses: a task done with one call waits to be handed the next (up to IDLE_TASKS of them
@@ -2663,7 +2678,7 @@ async def connect(url, key, *, wait=False):
         with edge.locked() as data:
             record = data["listener"]
         if EdgeFile.live(record) and record.get("lid") == other:  # not ours, still there
-            await trio.sleep(EDGE_HEARTBEAT_S)
+            await trio.sleep(EDGE_HEARTBEAT_S)  # (a wait for it to go, no try: not retry())
             continue
         if EdgeFile.live(record):
             try:
@@ -2999,10 +3014,9 @@ async def _meet(host, port, label, options, other=None):
 
         async def dial(address):
             h, _, p = address.rpartition(":")
-            while True:
-                with contextlib.suppress(OSError, ValueError):
-                    return found.send_nowait((await _dial_from(mine, h, int(p)), "direct"))
-                await trio.sleep(BRIDGE_PUNCH_S)
+            stream = await retry(lambda: _dial_from(mine, h, int(p)), (OSError, ValueError),
+                                 BRIDGE_PUNCH_S)
+            found.send_nowait((stream, "direct"))
 
         async def relay():
             await trio.sleep(0 if relay_only else BRIDGE_DIRECT_S)
@@ -3060,10 +3074,9 @@ async def _chosen(candidates):
 
 
 async def _serve_bridge(url, key, on_accept, task_status):
-    """serve() for a bridge:// URL: keep our place on the bridge (back on it, after a
-    growing pause, when it cannot be reached or goes) and meet each worker it announces."""
+    """serve() for a bridge:// URL: keep our place on the bridge (back on it when it goes,
+    after a growing pause while it cannot be reached) and meet each worker it announces."""
     host, port, label, options = bridge_target(url, key)
-    pause = 0.0
 
     async def meet(worker):
         try:
@@ -3074,22 +3087,25 @@ async def _serve_bridge(url, key, on_accept, task_status):
         async with stream:
             await on_accept(stream)
 
+    async def on_the_bridge():  # (until it goes)
+        async with await _dial_from(0, host, port) as stream:
+            await bridge_send(stream, f"INIT,{label},")
+            log.info("on the bridge %s:%d", host, port)
+            try:
+                while True:
+                    nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
+            except (OSError, PeerError, trio.BrokenResourceError) as e:
+                log.warning("lost the bridge at %s:%d (%s)", host, port, e)
+
+    def failed(e, pause):
+        log.warning("cannot reach the bridge at %s:%d (%s); trying again in %g s",
+                    host, port, getattr(e, "strerror", None) or e, pause)
+
     async with open_strict_nursery() as nursery:
         task_status.started({"bridge": url})  # (workers wait for us as for a late head)
         while True:
-            try:
-                async with await _dial_from(0, host, port) as stream:
-                    await bridge_send(stream, f"INIT,{label},")
-                    if pause:
-                        log.info("on the bridge %s:%d again", host, port)
-                    pause = 0.0
-                    while True:
-                        nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
-            except (OSError, PeerError, trio.BrokenResourceError) as e:
-                pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
-                log.warning("cannot reach the bridge at %s:%d (%s); trying again in %g s",
-                            host, port, getattr(e, "strerror", None) or e, pause)
-            await trio.sleep(pause)
+            await retry(on_the_bridge, (OSError, PeerError, trio.BrokenResourceError), 1.0,
+                        BRIDGE_BACKOFF_S, failed)
 
 
 async def _connect_bridge(url, key, wait):
@@ -3097,8 +3113,8 @@ async def _connect_bridge(url, key, wait):
     Without ``wait``, a head must answer within CLI_TIMEOUT_S; with it, we wait for the
     head, and try the bridge again, after a growing pause, while it cannot be reached."""
     host, port, label, options = bridge_target(url, key)
-    pause = 0.0
-    while True:
+
+    async def attempt():
         try:
             with trio.fail_after(math.inf if wait else CLI_TIMEOUT_S):
                 stream = await _meet(host, port, label, options)
@@ -3110,13 +3126,15 @@ async def _connect_bridge(url, key, wait):
         except trio.TooSlowError:
             raise Unreachable(f"no head answered through the bridge {host}:{port} within "
                               f"{CLI_TIMEOUT_S:g} s") from None
-        except (OSError, PeerError, trio.BrokenResourceError) as e:
-            why = f"the bridge {host}:{port}: {getattr(e, 'strerror', None) or e}"
-            if not wait:
-                raise Unreachable(why) from None
-            pause = min(2 * pause or 1.0, BRIDGE_BACKOFF_S)
-            log.warning("%s; trying again in %g s", why, pause)
-        await trio.sleep(pause)
+
+    def failed(e, pause):
+        why = f"the bridge {host}:{port}: {getattr(e, 'strerror', None) or e}"
+        if not wait:
+            raise Unreachable(why) from None
+        log.warning("%s; trying again in %g s", why, pause)
+
+    return await retry(attempt, (OSError, PeerError, trio.BrokenResourceError), 1.0,
+                       BRIDGE_BACKOFF_S, failed)
 
 
 MORE_SCHEMES["bridge"] = (_serve_bridge, _connect_bridge)
@@ -6644,24 +6662,27 @@ async def attach_to_head(address, key, argv, log_file):
 
     if (stream := await existing()) is not None:
         return stream
-    started = trio.current_time()
     proc = spawn_head(argv, log_file)
     log.info("started a head daemon (pid %d) for %s; its log: %s", proc.pid, address, log_file)
-    while True:
-        await trio.sleep(HEAD_POLL_S)
-        with contextlib.suppress(Unreachable):
+
+    async def answered():
+        try:
             return await connect(sock, key)
-        if proc.poll() is not None:  # it may have lost a race with another one: try that
-            if (stream := await existing()) is not None:
-                return stream
-            tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
-            # (killed by a signal, it says nothing of the next one: the link tries again)
-            error = PeerError if proc.returncode < 0 else GrainError
-            raise error(f"the head daemon exited (status {proc.returncode}) before "
-                        f"answering; the end of its log {log_file}: {tail}")  # (one line)
-        if trio.current_time() - started > HEAD_START_S:
-            raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
-                             f"{HEAD_START_S:g} s; see its log {log_file}")
+        except Unreachable:
+            if proc.poll() is None:  # (starting still)
+                raise
+        if (stream := await existing()) is not None:  # it may have lost a race with another
+            return stream
+        tail = " | ".join(line.strip() for line in log_tail(log_file, 3).splitlines())
+        # (killed by a signal, it says nothing of the next one: the link tries again)
+        error = PeerError if proc.returncode < 0 else GrainError
+        raise error(f"the head daemon exited (status {proc.returncode}) before "
+                    f"answering; the end of its log {log_file}: {tail}")  # (one line)
+
+    with trio.move_on_after(HEAD_START_S):
+        return await retry(answered, Unreachable, HEAD_POLL_S)
+    raise GrainError(f"the head daemon (pid {proc.pid}) did not answer within "
+                     f"{HEAD_START_S:g} s; see its log {log_file}")
 
 
 class Unlimited(Resource):
@@ -8283,12 +8304,8 @@ class WorkerProcess:
         with trio.move_on_at(self.until), trio.CancelScope() as self._attending:
             while self.head is None and any(type(jid) is not str for jid in self.running):
                 await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
-            while True:
-                try:
-                    return await reconnect()
-                except (Unreachable, OSError, PeerError) as e:
-                    log.debug("no head yet: %s", e)
-                await trio.sleep(REATTACH_POLL_S)
+            return await retry(reconnect, (Unreachable, OSError, PeerError), REATTACH_POLL_S,
+                               failed=lambda e, _: log.debug("no head yet: %s", e))
         return None
 
     def on_function(self, digest, data):
