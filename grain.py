@@ -2746,8 +2746,8 @@ class Channel:
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
-        self._clock = trio.lowlevel.current_clock().current_time  # (read once a frame)
-        self.last_heard = self._clock()
+        self.clock = trio.lowlevel.current_clock().current_time  # (read once a frame)
+        self.last_heard = self.clock()
         self.silent_after = silent_after  # seconds of silence open_channel's watchdog allows
         self.silent = False           # set when the watchdog gave up on the peer
 
@@ -2845,7 +2845,7 @@ class Channel:
                 return None
             if frame is None:
                 return None
-            self.last_heard = self._clock()
+            self.last_heard = self.clock()
             for frame in (frame,) if self._seal is None else self._seal.opened(
                     frame, self.peer, self._max_frame):
                 try:
@@ -2875,7 +2875,7 @@ async def _watch_silence(channel, scope):
     """open_channel's watchdog: cancels ``scope`` (see there); one task, not a scope a receive."""
     while True:
         limit = channel.silent_after
-        quiet = trio.current_time() - channel.last_heard
+        quiet = channel.clock() - channel.last_heard
         if limit is not None and quiet >= limit:
             channel.silent = True
             scope.cancel()
