@@ -580,6 +580,29 @@ async def retry(attempt, errors, pause, most=None, failed=None):
         pause = min(2 * pause, most or pause)
 
 
+class HeapFreezer:
+    """The cyclic collector's rule for jobs, which live until their mission ends: a full
+    collection of a heap of millions of them would pause the event loop for a quarter of a
+    second each time, so freeze(job) at each FREEZE_JOBS-th job taken (or freeze(): now)
+    freezes the heap as it is then (gc.freeze); thaw() gives it back to the collector when
+    the missions end."""
+
+    froze = False
+
+    def freeze(self, job=None):
+        if job is None or not job.id % FREEZE_JOBS:
+            gc.freeze()
+            self.froze = True
+
+    def thaw(self):
+        # (the next full collection walks them again; on Python 3.12 gc.unfreeze() also
+        # thaws what the interpreter froze at its start: no harm, it is walked as on the
+        # other Pythons, whose start freezes nothing)
+        if self.froze:
+            gc.unfreeze()
+            self.froze = False
+
+
 class TaskPool:
     """Runs ``await fn(*args)`` for each ``start(*args)`` in tasks of ``nursery`` that it
     reuses: a task done with one call waits to be handed the next (up to IDLE_TASKS of them
@@ -7222,7 +7245,7 @@ class GrainExecutor(HeadCore):
         self._wire_base = int.from_bytes(os.urandom(5), "big") << 24
         self._outstanding = 0
         self._all_done = None
-        self._froze = False  # whether it froze the collector's view of the heap (_track)
+        self._heap = HeapFreezer()  # (see _track)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = self.elapsed = None
 
@@ -7271,11 +7294,7 @@ class GrainExecutor(HeadCore):
         self._jobs.append(job)
         self._here += _asks_nothing(job.req)
         self._outstanding += 1
-        if not job.id % FREEZE_JOBS:
-            # The jobs live until the mission ends: a full collection of a heap of millions
-            # of them would pause the event loop for a quarter of a second each time.
-            gc.freeze()
-            self._froze = True
+        self._heap.freeze(job)
 
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
@@ -7494,9 +7513,7 @@ class GrainExecutor(HeadCore):
     async def _close(self):
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
-        if self._froze:  # (the next full collection walks them again; on Python 3.12 so
-            gc.unfreeze()  # it does what the interpreter froze at its start: no harm, it is
-            # walked as on the other Pythons, whose start freezes nothing)
+        self._heap.thaw()
 
     async def __aexit__(self, etype, exc, tb):
         try:
@@ -8614,6 +8631,7 @@ class HeadDaemon(HeadCore):
                                    commands={"stats": self._stats, "stop": self._stop,
                                              "scale": self._scale}, specialized=False)
         self.missions = []
+        self.heap = HeapFreezer()  # (frozen while missions are attached)
         self.mission_socket, self.idle_quit = mission_socket, idle_quit
         self.log_file, self.max_missions = log_file, max_missions
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
@@ -8714,8 +8732,9 @@ class HeadDaemon(HeadCore):
         channel.silent_after = MISSION_SILENT_S  # its main may block its event loop a while
         m = MissionQueue(channel, info)
         self.missions.append(m)
-        gc.freeze()  # (what it holds already, a swarm's workers, lives on: while missions
-        # run, full collections walk only what came since; each took 70 ms with 1,000)
+        # (What it holds already, a swarm's workers, lives on: while missions run, full
+        # collections walk only what came since; each took 70 ms with 1,000.)
+        self.heap.freeze()
         self.scheduler.add_queue(m)
         self._changed()
         channel.send(("attached", {"pid": os.getpid(), "host": hostname(), "log": self.log_file,
@@ -8742,8 +8761,7 @@ class HeadDaemon(HeadCore):
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
         job.ref, job.wire, job.payload = ref, f"{m.token}/{ref}", payload
-        if not job.id % FREEZE_JOBS:  # (as a mission does: see GrainExecutor._track)
-            gc.freeze()
+        self.heap.freeze(job)
         if not (resumed and self.reunion.offer(job, hold=True)):
             self.scheduler.push(job)
 
@@ -8759,8 +8777,8 @@ class HeadDaemon(HeadCore):
         log.info("mission %s detached (%d done, %d failed)%s", m.name, m.done, m.failed,
                  f"; dropped {dropped} queued and cancelled {len(running)} running job(s)"
                  if dropped or running else "")
-        if not self.missions:  # (what _accept_job froze is the collector's again)
-            gc.unfreeze()
+        if not self.missions:
+            self.heap.thaw()
         self.pump()
 
     def _changed(self):
