@@ -2308,8 +2308,18 @@ class FrameStream:
         return self._ready.popleft()
 
 
+def _bridge_url(url):
+    """``(label, host, port, {option: value})`` of a bridge:// URL; ValueError otherwise."""
+    m = re.match(r"^bridge://([^@/,|]+)@([^:/?@]+):(\d+)/?(?:\?([^#]*))?$", url)
+    if not m or int(m.group(3)) > 65535:
+        raise ValueError(f"malformed address {url!r}: expected "
+                         "bridge://LABEL@HOST:PORT[?iface=NAME]")
+    options = dict(kv.split("=", 1) for kv in (m.group(4) or "").split("&") if "=" in kv)
+    return m.group(1), m.group(2), int(m.group(3)), options
+
+
 def parse_url(url):
-    """``(scheme, host, port_or_path)`` for tcp/unix/edge URLs; ValueError otherwise."""
+    """``(scheme, host, port_or_path)`` for tcp/unix/edge/bridge URLs; ValueError otherwise."""
     if not (m := re.match(r"^([a-z]+)://(.*)$", url or "")):
         raise ValueError(f"malformed address {url!r}: expected tcp://host:port, "
                          "unix:///path, edge:///abs/path or bridge://LABEL@HOST:PORT")
@@ -2320,11 +2330,7 @@ def parse_url(url):
             raise ValueError(f"malformed address {url!r}: expected tcp://host:port")
         return scheme, host.strip("[]"), int(port)
     if scheme == "bridge":
-        m = re.match(r"^([^@/,|]+)@([^:/?@]+):(\d+)/?(\?[^#]*)?$", rest)
-        if not m or int(m.group(3)) > 65535:
-            raise ValueError(f"malformed address {url!r}: expected "
-                             "bridge://LABEL@HOST:PORT[?iface=NAME]")
-        return scheme, m.group(2), int(m.group(3))
+        return scheme, *_bridge_url(url)[1:3]
     if scheme in ("unix", "edge"):
         if not rest.startswith("/"):
             raise ValueError(f"malformed address {url!r}: {scheme}:// needs an absolute path "
@@ -2963,12 +2969,9 @@ CHOSEN = b"\x01"          # the worker's word on the stream it chose
 def bridge_target(url, key):
     """``(host, port, label, options)`` of a bridge:// URL; the label is what the bridge
     sees: only holders of the key pair up, and the bridge never learns it."""
-    parse_url(url)
-    m = re.match(r"^bridge://([^@]+)@([^:]+):(\d+)/?(?:\?(.*))?$", url)
-    options = dict(kv.split("=", 1) for kv in (m.group(4) or "").split("&") if "=" in kv)
-    label = hmac.new(key, b"grain bridge label " + m.group(1).encode(),
-                     hashlib.sha256).hexdigest()[:32]
-    return m.group(2), int(m.group(3)), label, options
+    name, host, port, options = _bridge_url(url)
+    label = hmac.new(key, b"grain bridge label " + name.encode(), hashlib.sha256).hexdigest()[:32]
+    return host, port, label, options
 
 
 async def bridge_send(stream, text):
