@@ -235,6 +235,7 @@ GROUP_SAMPLES = 8         # runs of a WTime group needed before its limits are e
 SUBPROC_IDLE_S = 60.0     # seconds an idle pool process lives before it is shut down
 SUBPROC_REAP_S = 5.0      # ... checked this often
 SUBPROC_MARGIN_S = 0.02   # seconds the child's own T alarm fires before the parent's
+LOCK_STALE_S = 10.0       # seconds after which a lock file (where locks fail) was left
 KILL_GRACE_S = 2.0        # seconds between SIGTERM and SIGKILL when stopping a child
 PARENT_WATCH_S = 0.5      # how often a pool process looks whether its parent still lives
 STDERR_TAIL = 4000        # bytes of a program's stderr kept for its ProgramError
@@ -693,23 +694,77 @@ def atomic_write(path, data, mode=0o600):
         raise
 
 
+# What a shared filesystem without working locks answers a lock: Lustre mounted without
+# ``-o flock`` ENOSYS, NFS without its lock daemon ENOLCK, some FUSE mounts EOPNOTSUPP.
+NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+
 @contextlib.contextmanager
 def edit_locked(path, read, encode):
-    """Yield ``read()`` while holding an exclusive flock on ``<path>.lock``, and write back
+    """Yield ``read()`` while holding an exclusive lock on ``<path>.lock``, and write back
     ``encode(data)`` if the block changed it: `up`, `down`, heads and workers change the
-    same small files (Edge records, job records) at once."""
+    same small files (Edge records, job records) at once. The lock is a flock; where the
+    filesystem has none (NO_LOCKS), the file ``<path>.lock.held``, created only if it is
+    not there (atomic on NFS 3 and later, and on Lustre), is the lock."""
     import fcntl
 
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        data = read()
-        before = encode(data)
-        yield data
-        if encode(data) != before:
-            atomic_write(path, encode(data))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = None
+        except OSError as e:
+            if e.errno not in NO_LOCKS:
+                raise
+            held = _hold_by_creating(path + ".lock.held")
+        try:
+            data = read()
+            before = encode(data)
+            yield data
+            if encode(data) != before:
+                atomic_write(path, encode(data))
+        finally:
+            if held is not None:
+                _unlink_quietly(held)
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _hold_by_creating(path):
+    """Create ``path`` once it is not there (waiting for whoever holds it); return it. A
+    file older than LOCK_STALE_S was left by a process killed holding it (a hold lasts
+    milliseconds) and is taken over."""
+    pause = 0.001
+    while True:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            return path
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(path).st_mtime > LOCK_STALE_S:
+                    os.unlink(path)
+                    continue
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def sqlite_uri(path, **params):
+    """The URI sqlite3.connect(..., uri=True) opens ``path`` by, with ``params`` (mode=ro);
+    where the filesystem cannot lock (NO_LOCKS), SQLite's unix-dotfile VFS, which locks by
+    creating a file: its usual POSIX locks would fail every statement there."""
+    import fcntl
+    import tempfile
+
+    with contextlib.suppress(OSError):  # (a directory it cannot write: it is not asked)
+        with tempfile.TemporaryFile(dir=os.path.dirname(path)) as probe:
+            try:
+                fcntl.lockf(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in NO_LOCKS:
+                    params["vfs"] = "unix-dotfile"
+    where = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    return f"file:{where}" + "".join(f"{'&' if i else '?'}{k}={v}"
+                                     for i, (k, v) in enumerate(params.items()))
 
 
 def log_tail(path, n=LOG_TAIL_LINES):
@@ -4997,7 +5052,7 @@ _STORE_FIELDS = 8  # the values a row is given
 # mission's directory.)
 _STORE_WRITER = """
 import hashlib, pickle, sqlite3, sys
-db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
+db = sqlite3.connect(sys.argv[1], uri=True, isolation_level=None, timeout=60)
 db.execute("PRAGMA synchronous=FULL")
 while True:
     try:
@@ -5075,12 +5130,12 @@ class ResultStore:
         self.held = hold
         try:
             if not hold:
-                where = self.path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-                self._db = sqlite3.connect(f"file:{where}?mode=ro", uri=True,
+                self._db = sqlite3.connect(sqlite_uri(self.path, mode="ro"), uri=True,
                                            check_same_thread=False, timeout=STORE_STALE_S)
             else:  # (the timeout: while a writer commits, on a slow disk)
-                self._db = sqlite3.connect(self.path, check_same_thread=False,
-                                           isolation_level=None, timeout=STORE_STALE_S)
+                self._db = sqlite3.connect(sqlite_uri(self.path), uri=True,
+                                           check_same_thread=False, isolation_level=None,
+                                           timeout=STORE_STALE_S)
                 # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -5245,7 +5300,7 @@ class ResultStore:
 
     def start_writer(self):
         """Start the writer process (see _STORE_WRITER) that ``send`` gives rows to."""
-        argv = [sys.executable, "-I", "-c", _STORE_WRITER, self.path, _STORE_INSERT,
+        argv = [sys.executable, "-I", "-c", _STORE_WRITER, sqlite_uri(self.path), _STORE_INSERT,
                 str(_STORE_FIELDS)]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
