@@ -6498,10 +6498,12 @@ class HeadService:
         self.joined_job_ids = set()   # batch job ids of every worker that ever registered
         self.joining = set()          # channels of peers that have not said who they are
         self.goodbye = None           # what say_goodbye told the workers
+        self._nursery = None
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until cancelled; started() with the URLs once peers can connect."""
         async with open_strict_nursery() as nursery:
+            self._nursery = nursery
             self.urls = await nursery.start(serve, self.listen, self.key, self.handle_connection)
             if self.job_book is not None:
                 nursery.start_soon(self._watch_submitted_jobs)
@@ -6611,6 +6613,24 @@ class HeadService:
                 for job in jobs:
                     self.owner.job_held(job, why)
             w.interrupt_all(kind, why)
+            if channel.silent and self.job_book is not None and w.job_id:
+                self._nursery.start_soon(self._cancel_unless_back, w, info.get("reattach", 0))
+
+    async def _cancel_unless_back(self, w, reattach):
+        """A worker lost in silence (its node gone, frozen or cut off) that is not back
+        within its reattach: its batch job is cancelled, not left holding the node."""
+        await trio.sleep(reattach + HEARTBEAT_S)
+        if any(getattr(v, "job_id", None) == w.job_id for v in self.owner.scheduler.workers):
+            return
+        system, _, custom = self.job_book
+        try:
+            await trio.to_thread.run_sync(cancel_jobs, system, [w.job_id], custom)
+        except GrainError as e:
+            log.warning("worker %s was lost and is not back; its batch job %s: %s", w.name,
+                        w.job_id, e)
+        else:
+            log.warning("worker %s was lost and is not back after %g s (its reattach): "
+                        "cancelled its batch job %s", w.name, reattach, w.job_id)
 
     async def say_goodbye(self, abort=False):
         """FIN to every worker process (or, when the mission failed, "leave now": no one will

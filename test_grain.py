@@ -8172,6 +8172,107 @@ def test_every_upstream_import_path_resolves():
     assert isinstance(delayed(add1.fn), DelayedFn) and grain.DelayedFunction is DelayedFn
 
 
+
+VANISH_MISSION = textwrap.dedent("""
+    import json, os, socket, sys, time, trio
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores
+
+    @delayed
+    async def job(i):
+        start = os.path.join({starts!r}, f"{{i}} {{socket.gethostname()}} {{time.time()}}")
+        open(start, "w").close()
+        await trio.sleep(10)
+        return [i, socket.gethostname()]
+
+    async def main():  # a job takes all of a node's cores: one at a time on each worker
+        return await each((job @ Cores({per}))(i) for i in range(3))
+
+    print(json.dumps(run(main, config_file={config!r})), flush=True)
+""")
+
+
+def _signal_host(host, sig):
+    """``sig`` to every process of ``host`` (its network namespace): SIGSTOP takes it away
+    with no word on the network (no FIN, no RST), as a power cut or a panic would."""
+    for _ in range(3):   # (again: a process may have forked meanwhile)
+        pids = subprocess.run(["ip", "netns", "pids", f"grain-{host}"], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), sig)
+
+
+@needs_cluster
+def test_nodes_that_vanish_have_their_jobs_run_elsewhere_and_come_back_or_are_cancelled(
+        hosts):
+    # Two nodes vanish without a word while each runs a job: the head takes them for lost
+    # within SILENT_S (the README's bound) and runs their jobs on the node left; nothing is
+    # lost, and only their jobs run twice. One node comes back within worker.reattach:
+    # its worker rejoins. The other does not: its batch job is cancelled.
+    cores = node_cores()
+    starts = hosts.path / "starts"
+    starts.mkdir()
+    with open(hosts.cfg, "a") as f:
+        f.write('[worker]\nreattach = "20s"\n')
+    hosts.path.joinpath("mission.py").write_text(VANISH_MISSION.format(
+        here=HERE, starts=str(starts), per=len(cores["node1"]), config=str(hosts.cfg)))
+    hosts.start_head()
+    jobs = hosts.up(3)
+    by_node = {_node_of(w): w for w in hosts.wait_for_workers(3)}
+    mission = subprocess.Popen([ON_HOST, "login", sys.executable, "mission.py"],
+                               cwd=hosts.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        wait_for(lambda: len(os.listdir(starts)) == 3, 60, "a job started on each node")
+        first = {line.split()[1]: line.split()[0] for line in os.listdir(starts)}
+        assert sorted(first) == list(NODES), first
+        vanished = time.time()
+        for node in ("node2", "node3"):
+            _signal_host(node, signal.SIGSTOP)
+        out, err = mission.communicate(timeout=180)
+        assert mission.returncode == 0, err[-3000:]
+        results = json.loads(out.strip().splitlines()[-1])
+        assert [r[0] for r in results] == [0, 1, 2] and {r[1] for r in results} == {"node1"}
+        again = sorted((float(t), int(i), host) for i, host, t in map(str.split,
+                                                                         os.listdir(starts)))
+        reruns = [(t, i, host) for t, i, host in again if host == "node1" and
+                  i != int(first["node1"])]
+        assert sorted(i for _, i, _ in reruns) == sorted(int(first[n]) for n in ("node2",
+                                                                                "node3"))
+        assert len(again) == 5, again   # each job of a lost node once more; no other
+        # (taken for lost SILENT_S after the last word heard; its job then waits for node1)
+        assert reruns[0][0] - vanished < grain.SILENT_S + 15, (vanished, again)
+        head_log = (hosts.path / "head.log").read_text()
+        for node in ("node2", "node3"):
+            w = by_node[node]
+            assert re.search(rf"worker {w['name']} was lost \(silent for 30 s\) with 1 "
+                             r"job\(s\) running; re-queueing them", head_log), head_log
+        # node3 comes back within its reattach: its worker rejoins, the same batch job.
+        _signal_host("node3", signal.SIGCONT)
+        def node3_back():
+            ls = hosts.grain("ls", "--json").stdout
+            workers = json.loads(ls).get("workers", []) if ls.startswith("{") else []
+            return [w for w in workers if _node_of(w) == "node3"]
+
+        wait_for(node3_back, 60, "node3's worker to rejoin")
+        assert node3_back()[0]["job_id"] == by_node["node3"]["job_id"]
+        # node2 does not: its batch job is cancelled once its reattach is over.
+        job2 = by_node["node2"]["job_id"]
+        wait_for(lambda: f"cancelled its batch job {job2}" in
+                 (hosts.path / "head.log").read_text(), 90, "node2's job to be cancelled")
+        assert cluster_jobs(hosts.path).get(job2, ("CANCELLED",))[0] in \
+            ("CANCELLED", "COMPLETING"), cluster_jobs(hosts.path)
+        assert len(os.listdir(starts)) == 5   # nothing ran again when node3 came back
+    finally:
+        for node in ("node2", "node3"):
+            _signal_host(node, signal.SIGCONT)
+        if mission.poll() is None:
+            mission.kill()
+            mission.communicate()
+
+
 # -- A shared filesystem without working locks ----------------------------------------
 # Lustre mounted without `-o flock` answers flock() and POSIX locks with ENOSYS, NFS
 # without its lock daemon with ENOLCK. A shim preloaded into grain's processes makes this
