@@ -8273,6 +8273,43 @@ def test_nodes_that_vanish_have_their_jobs_run_elsewhere_and_come_back_or_are_ca
             mission.communicate()
 
 
+
+@needs_cluster
+def test_a_node_cut_off_for_less_than_silent_s_keeps_its_job(hosts):
+    # node1's link goes down while its job runs, and comes back 10 s later, its job's end in
+    # between: the job is kept (TCP carries the result over when the link is back), not
+    # taken for lost, not run again. (A cut longer than SILENT_S is a node lost: above.)
+    cores = node_cores()
+    starts = hosts.path / "starts"
+    starts.mkdir()
+    hosts.path.joinpath("mission.py").write_text(VANISH_MISSION.format(
+        here=HERE, starts=str(starts), per=len(cores["node1"]), config=str(hosts.cfg)))
+    hosts.start_head()
+    hosts.up(3)
+    hosts.wait_for_workers(3)
+    mission = subprocess.Popen([ON_HOST, "login", sys.executable, "mission.py"],
+                               cwd=hosts.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        wait_for(lambda: len(os.listdir(starts)) == 3, 60, "a job started on each node")
+        subprocess.run(["ip", "-n", "grain-switch", "link", "set", "v-node1", "down"],
+                       check=True)
+        time.sleep(10)   # (the cut itself: what the test is about)
+        subprocess.run(["ip", "-n", "grain-switch", "link", "set", "v-node1", "up"],
+                       check=True)
+        out, err = mission.communicate(timeout=120)
+        assert mission.returncode == 0, err[-3000:]
+        results = json.loads(out.strip().splitlines()[-1])
+        assert sorted(r[1] for r in results) == list(NODES), results
+        assert len(os.listdir(starts)) == 3, os.listdir(starts)   # none ran again
+        assert "was lost" not in (hosts.path / "head.log").read_text()
+    finally:
+        subprocess.run(["ip", "-n", "grain-switch", "link", "set", "v-node1", "up"])
+        if mission.poll() is None:
+            mission.kill()
+            mission.communicate()
+
+
 # -- A shared filesystem without working locks ----------------------------------------
 # Lustre mounted without `-o flock` answers flock() and POSIX locks with ENOSYS, NFS
 # without its lock daemon with ENOLCK. A shim preloaded into grain's processes makes this
