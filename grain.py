@@ -247,6 +247,7 @@ SILENT_S = 30.0           # seconds of silence after which a peer is taken for l
 MISSION_SILENT_S = 300.0  # ... a mission, whose main may block its event loop for a while
 FLUSH_S = 5.0             # seconds a closing connection may take to send what it queued
 EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge record
+SOCKET_GRACE_S = 10.0     # seconds a new socket file is not taken for a dead one
 EDGE_STALE_S = 45.0       # seconds after which an unrefreshed Edge record is stale
 EDGE_CONNECT_S = 3.0      # seconds to try one URL from an Edge record
 CLI_TIMEOUT_S = 5.0       # seconds `ls`/`quit` wait for a head to answer
@@ -2443,24 +2444,27 @@ def private_dir():
     return base
 
 
-def _live_sockets(paths):
-    """Those of the socket files ``paths`` someone listens on; the others (connecting is
-    refused: their process died) are removed."""
-    live = []
+def _remove_dead_sockets(paths, yours):
+    """Remove those of the socket files ``paths`` that no one listens on (connecting is
+    refused: their process died); whether ``yours`` has a listener. Another process's file
+    made in the last SOCKET_GRACE_S is left: it may be bound and not listening yet."""
+    live = False
     for path in paths:
         with socket.socket(socket.AF_UNIX) as probe:
             probe.setblocking(False)  # (a live listener with a full backlog: EAGAIN)
-            if probe.connect_ex(path) in (errno.ECONNREFUSED, errno.ENOENT):
-                _unlink_quietly(path)
-            else:
-                live.append(path)
+            if probe.connect_ex(path) not in (errno.ECONNREFUSED, errno.ENOENT):
+                live |= path == yours
+                continue
+        with contextlib.suppress(OSError):
+            if path == yours or time.time() - os.lstat(path).st_mtime > SOCKET_GRACE_S:
+                os.unlink(path)
     return live
 
 
 async def _unix_listener(path):
     """A Unix socket listener at ``path``. Socket files that processes which died left there
     or in private_dir() are removed first."""
-    if path in _live_sockets({path, *glob.glob(os.path.join(private_dir(), "*.sock"))}):
+    if _remove_dead_sockets({path, *glob.glob(os.path.join(private_dir(), "*.sock"))}, path):
         raise GrainError(f"another process already listens on unix://{path}")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)  # the socket file is ours alone

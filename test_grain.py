@@ -1724,9 +1724,16 @@ async def test_a_new_listener_removes_the_sockets_dead_processes_left_never_live
             listening.listen()
             with socket.socket(socket.AF_UNIX) as s:
                 s.bind(str(dead))   # bound, never listened on: as a killed process left it
+            old = time.time() - grain.SOCKET_GRACE_S - 1
+            os.utime(dead, (old, old), follow_symlinks=False)
+            # bound a moment ago by a process that will listen on it next: not taken for dead
+            starting = socket.socket(socket.AF_UNIX)
+            starting.bind(str(private / "worker-starting.sock"))
             (listener,), _ = await grain.open_listeners(f"unix://{tmp_path}/new.sock")
             await listener.aclose()
-            assert sorted(p.name for p in private.iterdir()) == sorted([head.name, live.name])
+            starting.close()
+            assert sorted(p.name for p in private.iterdir()) == sorted(
+                [head.name, live.name, "worker-starting.sock"])
             # the head, probed, answers as before, and took the probe for no attack
             await (await grain.connect(edge, exer.key)).aclose()
     assert "refused a connection" not in caplog.text
