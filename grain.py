@@ -6389,9 +6389,8 @@ class HeadCore:
     (HeadDaemon): the Scheduler with its workers and queues, the Tally, the Retries and the
     Reunion. It answers the worker protocol (see Workers): a job that ends gives its
     resources back and lets queued jobs start, and a failure is retried while its class's
-    budget lasts, else the job ends. Its owner says how: ``requeue(job)`` (a retry),
-    ``deliver(job, ok, data, duration, kind)`` (a pickled result came), and the one callback
-    for an ended job, ``complete(job, value, error, kind, pickled)``."""
+    budget lasts, else the job ends. Its owner says how (the three methods at its end):
+    ``requeue`` a retry, ``deliver`` a pickled outcome, ``complete`` an ended job."""
 
     def __init__(self, retries):
         self.scheduler = Scheduler()
@@ -6484,6 +6483,20 @@ class HeadCore:
     def pump(self):
         if self.scheduler.n_queued:
             self.scheduler.pump()
+
+    # -- what its owner says: how a result reaches the job's caller ------------------
+    def deliver(self, job, ok, data, duration, kind):
+        """A job's outcome came pickled from a worker process (``kind``: its failure
+        class): settle it, or pass it on as it is."""
+        raise NotImplementedError
+
+    def requeue(self, job):
+        """Queue a job again that is to be retried."""
+        raise NotImplementedError
+
+    def complete(self, job, value, error, kind, pickled):
+        """A job ended for good: its value or error (or ``pickled``, as a worker sent it)."""
+        raise NotImplementedError
 
 
 class HeadService:

@@ -8463,3 +8463,42 @@ def test_grain_works_on_a_shared_filesystem_whose_locks_fail(tmp_path, nolock_sh
     assert sorted(name.split(".")[0] for name in os.listdir(calls)) == list("012345")
     results = grain_cli("results", str(shared / "r.db"), env=env)
     assert results.returncode == 0 and re.search(r"square +done +6\n", results.stdout), results
+
+
+def test_a_class_calls_only_methods_it_or_its_bases_define():
+    # A base that calls a hook only its subclasses define is a template no reader can
+    # follow from the base: each method a class calls on self is defined (or assigned) in
+    # the class or one of its bases in grain.py.
+    import ast
+    tree = ast.parse(pathlib.Path(GRAIN).read_text())
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+
+    def defined(cls):
+        names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef,
+                                                           ast.AsyncFunctionDef))}
+        for node in ast.walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                names |= {e.attr if isinstance(e, ast.Attribute) else e.id
+                          for e in ast.walk(target) if isinstance(e, ast.Name) or
+                          isinstance(e, ast.Attribute) and getattr(e.value, "id", "") == "self"}
+        return names
+
+    def lineage(cls):   # None: a base from outside grain.py, which may define anything
+        out = [cls]
+        for base in cls.bases:
+            out += lineage(classes[base.id]) if getattr(base, "id", None) in classes else [None]
+        return out
+
+    undefined = []
+    for name, cls in classes.items():
+        family = lineage(cls)
+        if None in family:
+            continue
+        known = set().union(*map(defined, family))
+        undefined += [f"{name}.{n.func.attr} (line {n.lineno})" for n in ast.walk(cls)
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                      and getattr(n.func.value, "id", "") == "self"
+                      and n.func.attr not in known]
+    assert undefined == []
