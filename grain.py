@@ -1754,6 +1754,13 @@ def failure_class(error):
     return PAST_T if isinstance(error, trio.TooSlowError) else "raised"
 
 
+def outlives_head(wire):
+    """Whether a job's wire id (how workers know it) names it beyond its head: text (a
+    store's key#n, a daemon's mission token and id) does, and a new head can claim the job
+    from a worker that comes back with it; a head's own number dies with that head."""
+    return type(wire) is str
+
+
 class Job:
     """One submitted job: a resource request, an async function and its arguments.
 
@@ -6237,9 +6244,9 @@ class Reunion:
     that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
     comes first, the job or its worker's report, the other finds it: a report finds a job
     that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
-    (Only string wire ids outlive a head: a store's keys, a mission's token and id. A
-    head's own numbers are claimed only by a worker that comes back to that same head,
-    which tells its workers who it is (``instance``): see HeadCore.job_held.)
+    (Only some wire ids outlive a head: see outlives_head. A head's own numbers are
+    claimed only by a worker that comes back to that same head, which tells its workers
+    who it is (``instance``): see HeadCore.job_held.)
     ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
     def __init__(self, deliver, clock=_now, claim=lambda wire: None):
@@ -6301,7 +6308,7 @@ class Reunion:
             _adopt(job, w, alloc)
             return
         w.orphans[wire] = alloc
-        if type(wire) is not str:  # its old head's number: no job here can claim it
+        if not outlives_head(wire):  # its old head's number: no job here can claim it
             w.channel.send(("cancel", wire))
         else:
             self.running[wire] = (w, self.clock())
@@ -6311,19 +6318,19 @@ class Reunion:
         waits for the end of the hold: it may be one the last head retried on another
         worker, which comes back with the job's success (that one wins)."""
         self.running.pop(wire, None)
-        if not result[0] and type(wire) is str and self.clock() < self.hold_until:
+        if not result[0] and outlives_head(wire) and self.clock() < self.hold_until:
             self.failed[wire] = result
             return
         self.failed.pop(wire, None)
         if (job := self._claimed(wire, ours)) is not None:
             self.deliver(job, *result)
-        elif type(wire) is str:
+        elif outlives_head(wire):
             self.finished[wire] = (result, self.clock())
 
     def _claimed(self, wire, ours=False):
         """The job ``wire`` if it waits here, held or queued (taken out), else None. A
         number is only this head's own (``ours``), held by job_held."""
-        if type(wire) is not str:
+        if not outlives_head(wire):
             return self.own_held.pop(wire, None) if ours else None
         return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
 
@@ -8394,9 +8401,9 @@ class WorkerProcess:
             return False
         # The head's own numbers: only that head can claim them, if it comes back (its
         # relay went, say); one that never said who it is cannot.
-        kept = sum(type(jid) is str or self.head is not None for jid in self.running)
+        kept = sum(outlives_head(jid) or self.head is not None for jid in self.running)
         for jid, (scope, _) in self.running.items():
-            if type(jid) is not str and self.head is None:
+            if not outlives_head(jid) and self.head is None:
                 scope.cancel()
         # Of the results of one job, only the last goes again, and none while it runs: the
         # head ran it again after the earlier (a retry), which a new head must not retry.
@@ -8414,7 +8421,7 @@ class WorkerProcess:
     async def _look_for_head(self, reconnect):
         """A stream to a new head at our address; None when none came within reattach."""
         with trio.move_on_at(self.until), trio.CancelScope() as self._attending:
-            while self.head is None and any(type(jid) is not str for jid in self.running):
+            while self.head is None and not all(map(outlives_head, self.running)):
                 await trio.sleep(REATTACH_POLL_S)  # their cancellation ends soon
             return await retry(reconnect, (Unreachable, OSError, PeerError), REATTACH_POLL_S,
                                failed=lambda e, _: log.debug("no head yet: %s", e))
@@ -8461,7 +8468,7 @@ class WorkerProcess:
     def _remember(self, msg):
         """Keep a result for RESEND_S, for a new head that may want it again (if its job
         may outlive this head)."""
-        if self.reattach <= 0 or type(msg[1]) is not str:
+        if self.reattach <= 0 or not outlives_head(msg[1]):
             return
         now = trio.current_time()
         self.recent.append((now, msg))
