@@ -5923,15 +5923,15 @@ class Scheduler:
             self.pump()  # the worker it held may take others now
         return True
 
-    def launch(self, job, w):
-        """Allocate ``job`` its request on ``w`` and start it there."""
+    def launch(self, job, w, now=None):
+        """Allocate ``job`` its request on ``w`` and start it there (at ``now``)."""
         job.state = "running"
         job.attempts += 1
         job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
         if job.group is not None:
             job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
         job.worker = w
-        job.started = self.clock()
+        job.started = self.clock() if now is None else now
         w.running += 1
         w.busy.add(job)
         w.start(job)
@@ -6001,17 +6001,7 @@ class Scheduler:
             if queue.reserved is not None:
                 queue.unreserve()
             self.n_queued -= 1
-            # launch(job, w), inlined: this is the per-job hot path
-            job.state = "running"
-            job.attempts += 1
-            job.alloc = w.res._take(req)
-            if job.group is not None:
-                job.T = _part(job.alloc, "WTime").T
-            job.worker = w
-            job.started = now
-            w.running += 1
-            w.busy.add(job)
-            w.start(job)
+            self.launch(job, w, now)
             started += 1
         return started
 
