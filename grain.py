@@ -5552,6 +5552,21 @@ class Worker:
     def start(self, job):
         raise NotImplementedError
 
+    def adopt(self, job, alloc):
+        """``job`` runs here already, with ``alloc``: this worker came back to this head
+        with it (see Reunion)."""
+        job.state, job.alloc, job.worker = "running", alloc, self
+        job.started = self.owner.clock()  # (this head's totals; its duration: the worker says)
+        job.attempts += 1
+        self.jobs[job.wire] = job
+        self.busy.add(job)
+
+    def adopt_orphan(self, job):
+        """The Scheduler chose this worker for ``job``, which it came back running before
+        anyone claimed it: it goes on here."""
+        self.adopt(job, self.orphans.pop(job.wire))
+        self.owner.reunion.adopted(job.wire)
+
     def cancel(self, job):
         """Stop a running job whose result nobody wants any more (only a head daemon asks,
         of its remote workers)."""
@@ -5664,14 +5679,6 @@ class RemoteWorker(Worker):
         return digest
 
     def start(self, job):
-        alloc = self.orphans.pop(job.wire, None) if self.orphans else None
-        if alloc is not None:  # it runs here already: this worker came back with it
-            self.res.dealloc(job.alloc)  # (as before its launch: it stays in queues' maybe)
-            self.running -= 1
-            job.alloc = alloc
-            self.owner.reunion.adopted(job.wire)
-            self.jobs[job.wire] = job
-            return
         self.owner.job_sent(job)  # (first: it may give the job the id its worker knows)
         self.jobs[job.wire] = job
         self.channel.send(("run", job.wire, self._send_function(job.fn), job.payload,
@@ -5925,6 +5932,9 @@ class Scheduler:
 
     def launch(self, job, w, now=None):
         """Allocate ``job`` its request on ``w`` and start it there (at ``now``)."""
+        if w.orphans and job.wire in w.orphans:  # it runs there already
+            w.adopt_orphan(job)
+            return
         job.state = "running"
         job.attempts += 1
         job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
@@ -6213,15 +6223,6 @@ async def receive_all(channel, handlers, after_batch=None):
             channel._wakeup.set()
 
 
-def _adopt(job, w, alloc):
-    """``job`` runs on ``w`` already: its worker came back to this head with it."""
-    job.state, job.alloc, job.worker = "running", alloc, w
-    job.started = _now()  # (for this head's totals; its duration is what the worker says)
-    job.attempts += 1
-    w.jobs[job.wire] = job
-    w.busy.add(job)
-
-
 class Reunion:
     """Jobs and worker processes finding each other again after their head was replaced: a
     head daemon died and another started, or a mission that was its own head was run
@@ -6261,7 +6262,7 @@ class Reunion:
             self.deliver(job, *self.finished.pop(wire)[0])
         elif wire in self.running:
             w, _ = self.running.pop(wire)
-            _adopt(job, w, w.orphans.pop(wire))
+            w.adopt(job, w.orphans.pop(wire))
         elif hold and self.clock() < self.hold_until and (wire in self.reported or
                                                           self._away(hold)):
             self.held[wire] = job
@@ -6295,7 +6296,7 @@ class Reunion:
         w.res.claim(alloc)
         w.running += 1
         if (job := self._claimed(wire, ours)) is not None:
-            _adopt(job, w, alloc)
+            w.adopt(job, alloc)
             return
         w.orphans[wire] = alloc
         if not outlives_head(wire):  # its old head's number: no job here can claim it
