@@ -431,6 +431,9 @@ def add_note(exc, note):
             exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
+TERMINAL = threading.RLock()  # held while writing to the mission's stdout and stderr
+
+
 class StandIn:
     """Stands for sys.stdout or sys.stderr (``default``): what is written goes to
     ``target()`` (where a mission's local jobs print), or to ``default`` when that gives
@@ -440,9 +443,10 @@ class StandIn:
         self._default, self._target, self._before = default, target, before
 
     def write(self, text):
-        if self._before is not None:
-            self._before(text)
-        return (self._target() or self._default).write(text)
+        with TERMINAL:  # (programs' threads forward their stderr here too)
+            if self._before is not None:
+                self._before(text)
+            return (self._target() or self._default).write(text)
 
     def flush(self):
         target = self._target()
@@ -3198,6 +3202,8 @@ async def _serve_bridge(url, key, on_accept, task_status):
         while True:
             await retry(on_the_bridge, (OSError, PeerError, trio.BrokenResourceError), 1.0,
                         BRIDGE_BACKOFF_S, failed)
+            await trio.sleep(1.0)  # (lost: a bridge that closes at once is not redialled
+            #                        in a tight loop)
 
 
 async def _connect_bridge(url, key, wait):
@@ -3419,10 +3425,11 @@ class _Spawned:
     """A program started by posix_spawn, with what run_program uses of a Popen: ``pid``,
     the pipes it writes (``stdout``, ``stderr``: PIPE asked for them), poll() and wait()."""
 
-    returncode = stdout = stderr = None
+    returncode = stdin = stdout = stderr = None
 
     def __init__(self, cmd, options):
-        argv = ["/bin/sh", "-c", cmd] if options["shell"] else list(cmd)
+        argv = ["/bin/sh", "-c", cmd] if options["shell"] else \
+            [cmd] if isinstance(cmd, (bytes, os.PathLike)) else list(cmd)
         actions, ends = [], []
         for fd, name in ((1, "stdout"), (2, "stderr")):
             if options[name] == subprocess.PIPE:
@@ -3452,6 +3459,11 @@ class _Spawned:
         return self.poll(0)
 
 
+# Whether posix_spawn can start a program in a session of its own: not in a CPython built
+# against glibc headers older than 2.26 (NotImplementedError), as some portable builds are.
+_SPAWN_SETSID = [True]
+
+
 def _start_pinned(cmd, pin, options):
     """Start a program from a thread whose cores are ``pin`` (if any) while it starts it:
     the child inherits them. (A preexec_fn would pin it too, but makes CPython fork the
@@ -3462,15 +3474,36 @@ def _start_pinned(cmd, pin, options):
     if pin:
         os.sched_setaffinity(0, pin)
     try:
-        if (options["cwd"] is None and options["stdin"] is None
+        if (options["cwd"] is None and options["stdin"] is None and _SPAWN_SETSID
                 and options["stdout"] in (None, subprocess.PIPE)
                 and options["stderr"] == subprocess.PIPE
                 and options["env"].get("PATH") == os.environ.get("PATH")):
-            return _Spawned(cmd, options)
+            with contextlib.suppress(NotImplementedError):  # (see _SPAWN_SETSID)
+                return _Spawned(cmd, options)
+            _SPAWN_SETSID.clear()
         return subprocess.Popen(cmd, **options)
     finally:
         if pin:  # (the thread is trio's, and serves other calls next)
             os.sched_setaffinity(0, mask)
+
+
+def _forward(stream, text):
+    """Write ``text`` to ``stream`` (the mission's stderr); ``stream``, or None when it
+    is closed (`python mission.py 2>&1 | head`): the program's output is still read."""
+    try:
+        stream.write(text)
+        stream.flush()
+        return stream
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _abandon_on_cancel():
+    """to_thread.run_sync's keyword that lets a cancelled caller go on without the thread:
+    ``cancellable`` until trio 0.23 renamed it (and later trios refuse the old name)."""
+    names = inspect.signature(trio.to_thread.run_sync).parameters
+    return {"abandon_on_cancel" if "abandon_on_cancel" in names else "cancellable": True}
 
 
 class _Program:
@@ -3493,36 +3526,48 @@ class _Program:
                 return None
             popen = _start_pinned(cmd, pin, options)
             self.pid = popen.pid
-            if self.cancelled:  # (the job was cancelled as the program started)
-                os.killpg(popen.pid, signal.SIGKILL)
-            out, err = (f and f.fileno() for f in (popen.stdout, popen.stderr))
-            kept = {fd: bytearray() for fd in (out, err) if fd is not None}
-            pipes = select.poll()  # (not selectors' epoll: a file descriptor a program)
-            for fd in kept:
-                pipes.register(fd, select.POLLIN)
-            decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-            # A child of the program's that keeps a pipe open is not waited for: what came
-            # FLUSH_S after the program's exit is what there is.
-            end, reading = math.inf, len(kept)
-            while reading and time.monotonic() < end:
-                for fd, _ in pipes.poll(PIPE_CHECK_S * 1000):
-                    if not (chunk := os.read(fd, 65536)):
-                        pipes.unregister(fd)
-                        reading -= 1
-                    elif fd == err and forward is not None:
-                        forward.write(decode(chunk))
-                        forward.flush()
-                        del kept[fd][:-STDERR_TAIL]  # (forwarded: only its end is kept)
-                    kept[fd] += chunk
-                if end == math.inf and popen.poll() is not None:
-                    end = time.monotonic() + FLUSH_S
-            if forward is not None:
-                forward.write(decode(b"", final=True))  # (a cut-off last character)
-            for f in (popen.stdout, popen.stderr):
-                f and f.close()
-            return popen.wait(), kept.get(out), kept.get(err, b"")
+            try:
+                return self._follow(popen, forward)
+            except BaseException:  # (a bug, or a signal: the program goes, reaped)
+                with contextlib.suppress(OSError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+                raise
+            finally:
+                for f in (popen.stdin, popen.stdout, popen.stderr):
+                    f and f.close()
         finally:
             self.ended = True
+
+    def _follow(self, popen, forward):
+        """Read the pipes of the started program ``popen`` to their end, then reap it."""
+        if popen.stdin is not None:  # (stdin=PIPE: the program reads an empty input)
+            popen.stdin.close()
+        if self.cancelled:  # (the job was cancelled as the program started)
+            os.killpg(popen.pid, signal.SIGKILL)
+        out, err = (f and f.fileno() for f in (popen.stdout, popen.stderr))
+        kept = {fd: bytearray() for fd in (out, err) if fd is not None}
+        pipes = select.poll()  # (not selectors' epoll: a file descriptor a program)
+        for fd in kept:
+            pipes.register(fd, select.POLLIN)
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        # A child of the program's that keeps a pipe open is not waited for: what came
+        # FLUSH_S after the program's exit is what there is.
+        end, reading = math.inf, len(kept)
+        while reading and time.monotonic() < end:
+            for fd, _ in pipes.poll(PIPE_CHECK_S * 1000):
+                if not (chunk := os.read(fd, 65536)):
+                    pipes.unregister(fd)
+                    reading -= 1
+                elif fd == err and forward is not None:
+                    del kept[fd][:-STDERR_TAIL]  # (forwarded: only its end is kept)
+                    forward = _forward(forward, decode(chunk))
+                kept[fd] += chunk
+            if end == math.inf and popen.poll() is not None:
+                end = time.monotonic() + FLUSH_S
+        if forward is not None:
+            _forward(forward, decode(b"", final=True))  # (a cut-off last character)
+        return popen.wait(), kept.get(out), kept.get(err, b"")
 
     async def wait(self):
         pause = 0.001  # (only a cancelled program is waited for this way)
@@ -3548,7 +3593,7 @@ async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, ch
         code, out, err = await trio.to_thread.run_sync(
             program.run, cmd, _real_cores(_RES.get()), options,
             sys.stderr if stderr is None else None, limiter=trio.CapacityLimiter(1),
-            **{"cancellable" if _trio_numbers < (0, 23) else "abandon_on_cancel": True})
+            **_abandon_on_cancel())
     except BaseException:
         program.cancelled = True
         await _stop_process(program)
@@ -7048,11 +7093,13 @@ class ProgressLine:
         self.partial = True  # nothing drawn from now on
 
     def draw(self):
-        if not self.partial:
-            import shutil
-            self.stream.write("\r\x1b[K" + self.text()[:shutil.get_terminal_size().columns - 1])
-            self.stream.flush()
-            self.shown = True
+        import shutil
+        with TERMINAL:
+            if not self.partial:
+                columns = shutil.get_terminal_size().columns - 1
+                self.stream.write("\r\x1b[K" + self.text()[:columns])
+                self.stream.flush()
+                self.shown = True
 
     async def run(self):
         while True:

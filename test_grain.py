@@ -1843,6 +1843,27 @@ async def _upstream_rendezvous(port, session="sess1"):
 
 
 @trio_test
+async def test_a_head_whose_bridge_closes_each_connection_at_once_redials_after_a_pause():
+    # A bridge (or a tunnel to one) that accepts and closes right away: the head is "on
+    # the bridge", then loses it, each time; it must not redial in a tight loop.
+    dials = []
+
+    async def close_at_once(stream):
+        dials.append(trio.current_time())
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(functools.partial(trio.serve_tcp, close_at_once, 0,
+                                                            host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        with trio.move_on_after(3):
+            await grain._serve_bridge(f"bridge://label@127.0.0.1:{port}", b"k" * 32,
+                                      None, grain.TASK_STATUS_IGNORED)
+        nursery.cancel_scope.cancel()
+    assert 2 <= len(dials) <= 5, dials   # about one a second
+
+
+@trio_test
 async def test_the_bridge_pairs_upstreams_rendezvous_messages():
     async with trio.open_nursery() as nursery:
         port = await nursery.start(grain.BridgeServer().serve, "tcp://127.0.0.1:0")
@@ -2573,6 +2594,27 @@ def test_a_program_whose_job_was_cancelled_as_it_started_is_killed_by_its_thread
     late = grain._Program()
     late.cancelled = True
     assert late.run("sleep 60", [], options, None) is None and late.pid is None
+
+
+@trio_test
+async def test_a_program_with_stdin_pipe_a_path_or_a_closed_stderr_runs_as_popen_would(
+        tmp_path, monkeypatch):
+    with trio.fail_after(10):   # stdin=PIPE: an empty input (`cat` ends), as Popen's gives
+        done = await grain.run_program(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert done.stdout == b""
+    script = tmp_path / "hello"   # a path as the program
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    assert (await grain.run_program(script, stdout=subprocess.PIPE)).stdout == b"hi\n"
+
+    class Closed:   # the mission's stderr, gone (`python mission.py 2>&1 | head`)
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Closed())
+    with pytest.raises(grain.ProgramError) as info:   # still read, kept, and named
+        await grain.run_program("echo 'SCF failed' >&2; exit 1")
+    assert info.value.stderr_tail == "SCF failed"
 
 
 @trio_test
