@@ -6556,6 +6556,7 @@ class HeadService:
         self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
         self.urls = {}                # where it listens: {interface: url}
         self.joined_job_ids = set()   # batch job ids of every worker that ever registered
+        self.registered = Counter()   # batch job id -> how often its worker registered
         self.joining = set()          # channels of peers that have not said who they are
         self.goodbye = None           # what say_goodbye told the workers
         self._nursery = None
@@ -6627,6 +6628,7 @@ class HeadService:
     async def _serve_worker(self, channel, info, w):
         """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
         self.joined_job_ids.add(info.get("job_id"))
+        self.registered[info.get("job_id")] += 1
         if self.goodbye is not None:  # it registered as the mission ended: goodbye to it too
             return channel.send(self.goodbye)
         w.ours = info.get("head") == self.owner.instance
@@ -6674,18 +6676,23 @@ class HeadService:
                     self.owner.job_held(job, why)
             w.interrupt_all(kind, why)
             if channel.silent and self.job_book is not None and w.job_id:
-                self._nursery.start_soon(self._cancel_unless_back, w, info.get("reattach", 0))
+                self._nursery.start_soon(self._cancel_unless_back, w, info.get("reattach", 0),
+                                         self.registered[w.job_id])
 
-    async def _cancel_unless_back(self, w, reattach):
+    async def _cancel_unless_back(self, w, reattach, registered):
         """A worker lost in silence (its node gone, frozen or cut off) that is not back
-        within its reattach: its batch job is cancelled, not left holding the node."""
+        within its reattach (it registered ``registered`` times then): its batch job is
+        cancelled, not left holding the node. Only a job grain submitted as a worker's:
+        one a user started a worker in by hand is theirs."""
         await trio.sleep(reattach + HEARTBEAT_S)
-        if any(getattr(v, "job_id", None) == w.job_id for v in self.owner.scheduler.workers):
-            return
-        system, _, custom = self.job_book
+        system, book, custom = self.job_book
         try:
+            if self.registered[w.job_id] != registered or not any(
+                    r["id"] == w.job_id and r.get("role") == "worker"
+                    for r in await trio.to_thread.run_sync(book.records)):
+                return
             await trio.to_thread.run_sync(cancel_jobs, system, [w.job_id], custom)
-        except GrainError as e:
+        except (GrainError, OSError) as e:
             log.warning("worker %s was lost and is not back; its batch job %s: %s", w.name,
                         w.job_id, e)
         else:

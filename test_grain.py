@@ -8544,3 +8544,28 @@ def test_a_class_calls_only_methods_it_or_its_bases_define():
                       and getattr(n.func.value, "id", "") == "self"
                       and n.func.attr not in known]
     assert undefined == []
+
+
+@pytest.mark.parametrize("case", ["lost for good", "back since", "not grain's job"])
+@trio_test
+async def test_a_silent_workers_batch_job_is_cancelled_only_if_ours_and_not_back(
+        autojump_clock, monkeypatch, case):
+    # On virtual time: the head's timer after a worker was lost in silence. It cancels the
+    # worker's batch job only when grain submitted it as a worker's, and no registration of
+    # that job's worker came after the loss (one that came back, even if lost again since,
+    # has a timer of its own).
+    cancelled = []
+    monkeypatch.setattr(grain, "cancel_jobs", lambda system, ids, custom: cancelled.extend(ids))
+    book = types.SimpleNamespace(records=lambda: [{"id": "41", "role": "worker"}] +
+                                 ([{"id": "42", "role": "worker"}] if case != "not grain's job"
+                                  else []))
+    service = grain.HeadService(None, None, b"k" * 32, job_book=("slurm", book, None))
+    service.registered["42"] = 1
+    worker = types.SimpleNamespace(name="node2-42", job_id="42")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(service._cancel_unless_back, worker, 20.0, 1)
+        await trio.sleep(15)
+        if case == "back since":
+            service.registered["42"] += 1
+    assert trio.current_time() >= 20.0 + grain.HEARTBEAT_S
+    assert cancelled == (["42"] if case == "lost for good" else [])
