@@ -5189,9 +5189,11 @@ class ResultStore:
                 self._db = sqlite3.connect(sqlite_uri(self.path, mode="ro"), uri=True,
                                            check_same_thread=False, timeout=STORE_STALE_S)
             else:  # (the timeout: while a writer commits, on a slow disk)
-                self._db = sqlite3.connect(sqlite_uri(self.path), uri=True,
-                                           check_same_thread=False, isolation_level=None,
-                                           timeout=STORE_STALE_S)
+                uri = sqlite_uri(self.path)
+                if "vfs=unix-dotfile" in uri:  # held: a lock there was left by a kill
+                    self._clear_dot_lock()
+                self._db = sqlite3.connect(uri, uri=True, check_same_thread=False,
+                                           isolation_level=None, timeout=STORE_STALE_S)
                 # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -5390,6 +5392,12 @@ class ResultStore:
                         "mission writes it itself", self.path, proc.returncode)
         await trio.to_thread.run_sync(self.write, rows)
 
+    def _clear_dot_lock(self):
+        """Remove the lock SQLite's unix-dotfile VFS (see sqlite_uri) takes, a directory
+        that no process's end releases: this mission holds the store, so it is stale."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path + ".lock")
+
     def stop_writer(self):
         """Tell the writer it is done and wait for it to leave. (Not by closing its input:
         a process the mission forked may hold that open.) One with a batch it has not
@@ -5400,6 +5408,8 @@ class ResultStore:
         self._writer = None
         if self._in_flight:
             proc.kill()
+            proc.wait()
+            self._clear_dot_lock()  # (what it held: SQLite's locks by file outlive a kill)
         else:
             with contextlib.suppress(OSError):
                 os.write(proc.stdin.fileno(), pickle.dumps([]))  # an empty batch: done
