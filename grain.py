@@ -717,11 +717,15 @@ def edit_locked(path, read, encode):
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            held = None
+            release = None
         except OSError as e:
             if e.errno not in NO_LOCKS:
                 raise
-            held = _hold_by_creating(path + ".lock.held")
+
+            def now():  # (the file server's time: a client's clock may be off)
+                os.utime(fd)
+                return os.fstat(fd).st_mtime
+            release = _hold_by_creating(path + ".lock.held", now)
         try:
             data = read()
             before = encode(data)
@@ -729,28 +733,39 @@ def edit_locked(path, read, encode):
             if encode(data) != before:
                 atomic_write(path, encode(data))
         finally:
-            if held is not None:
-                _unlink_quietly(held)
+            if release is not None:
+                release()
     finally:
         os.close(fd)  # closing releases the flock
 
 
-def _hold_by_creating(path):
-    """Create ``path`` once it is not there (waiting for whoever holds it); return it. A
-    file older than LOCK_STALE_S was left by a process killed holding it (a hold lasts
-    milliseconds) and is taken over."""
+def _hold_by_creating(path, now):
+    """Create ``path`` once it is not there (waiting for whoever holds it); return a
+    ``release()``. A file older than LOCK_STALE_S by ``now()`` (the file server's clock)
+    was left by a process killed holding it (a hold lasts milliseconds): it is taken over
+    by renaming it, which only one taker can, and released only if it is still ours."""
     pause = 0.001
     while True:
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            return path
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            break
         except FileExistsError:
             with contextlib.suppress(OSError):
-                if time.time() - os.stat(path).st_mtime > LOCK_STALE_S:
-                    os.unlink(path)
+                if now() - os.stat(path).st_mtime > LOCK_STALE_S:
+                    taken = f"{path}.{os.getpid()}.stale"
+                    os.rename(path, taken)
+                    os.unlink(taken)
                     continue
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
+    ours = os.fstat(fd).st_ino
+    os.close(fd)
+
+    def release():
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == ours:  # (not one that took over from us, slowed)
+                os.unlink(path)
+    return release
 
 
 def sqlite_uri(path, **params):

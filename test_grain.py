@@ -8571,3 +8571,32 @@ async def test_a_silent_workers_batch_job_is_cancelled_only_if_ours_and_not_back
             service.registered["42"] += 1
     assert trio.current_time() >= 20.0 + grain.HEARTBEAT_S
     assert cancelled == (["42"] if case == "lost for good" else [])
+
+
+def test_a_lock_file_a_killed_process_left_is_taken_over_and_a_live_one_waited_for(
+        tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import threading
+
+    def no_locks(fd, operation):   # the filesystem of a Lustre mount without -o flock
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path, held = tmp_path / "edge", tmp_path / "edge.lock.held"
+    path.write_text("{}")
+    held.touch()   # left by a process killed while it held the lock
+    old = time.time() - grain.LOCK_STALE_S - 5
+    os.utime(held, (old, old))
+    edit = functools.partial(grain.edit_locked, str(path), lambda: json.loads(path.read_text()),
+                             lambda data: json.dumps(data).encode())
+    with edit() as data:
+        data["n"] = 1
+        assert held.exists() and held.stat().st_mtime > old   # ours now
+    assert json.loads(path.read_text()) == {"n": 1} and not held.exists()
+    held.touch()   # held by a live process: waited for until it is released
+    threading.Timer(0.3, held.unlink).start()
+    started = time.monotonic()
+    with edit() as data:
+        data["n"] += 1
+    assert time.monotonic() - started >= 0.3 and json.loads(path.read_text()) == {"n": 2}
