@@ -5622,19 +5622,20 @@ class Worker:
     def start(self, job):
         raise NotImplementedError
 
-    def adopt(self, job, alloc):
+    def adopt(self, job, alloc, now):
         """``job`` runs here already, with ``alloc``: this worker came back to this head
-        with it (see Reunion)."""
+        with it (see Reunion). ``now``: its start, for this head's totals (its duration is
+        what the worker says)."""
         job.state, job.alloc, job.worker = "running", alloc, self
-        job.started = self.owner.clock()  # (this head's totals; its duration: the worker says)
+        job.started = now
         job.attempts += 1
         self.jobs[job.wire] = job
         self.busy.add(job)
 
-    def adopt_orphan(self, job):
+    def adopt_orphan(self, job, now):
         """The Scheduler chose this worker for ``job``, which it came back running before
         anyone claimed it: it goes on here."""
-        self.adopt(job, self.orphans.pop(job.wire))
+        self.adopt(job, self.orphans.pop(job.wire), now)
         self.owner.reunion.adopted(job.wire)
 
     def cancel(self, job):
@@ -6003,7 +6004,7 @@ class Scheduler:
     def launch(self, job, w, now=None):
         """Allocate ``job`` its request on ``w`` and start it there (at ``now``)."""
         if w.orphans and job.wire in w.orphans:  # it runs there already
-            w.adopt_orphan(job)
+            w.adopt_orphan(job, self.clock() if now is None else now)
             return
         job.state = "running"
         job.attempts += 1
@@ -6332,7 +6333,7 @@ class Reunion:
             self.deliver(job, *self.finished.pop(wire)[0])
         elif wire in self.running:
             w, _ = self.running.pop(wire)
-            w.adopt(job, w.orphans.pop(wire))
+            w.adopt(job, w.orphans.pop(wire), self.clock())
         elif hold and self.clock() < self.hold_until and (wire in self.reported or
                                                           self._away(hold)):
             self.held[wire] = job
@@ -6366,7 +6367,7 @@ class Reunion:
         w.res.claim(alloc)
         w.running += 1
         if (job := self._claimed(wire, ours)) is not None:
-            w.adopt(job, alloc)
+            w.adopt(job, alloc, self.clock())
             return
         w.orphans[wire] = alloc
         if not outlives_head(wire):  # its old head's number: no job here can claim it
