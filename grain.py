@@ -3522,9 +3522,9 @@ def _abandon_on_cancel():
 
 
 class _Program:
-    """One program of run_program's, run from start to end by a thread of its own: a
-    thread reads the pipes and waits at a tenth of the cost of trio's waking for each.
-    The job's task only stops it (``_stop_process``): it sets ``cancelled`` (which the
+    """One program of run_program's, run from start to end by a thread of its own, which
+    reads its pipes and reaps it: trio wakes once a program, not once a pipe and once for
+    its exit. The job's task only stops it (``_stop_process``): it sets ``cancelled`` (which the
     thread heeds if the program is not started yet), signals ``pid``'s group, and waits
     for ``ended``."""
 
