@@ -2818,9 +2818,19 @@ async def connect(url, key, *, wait=False):
 
 async def _wait_to_be_called(edge, seen, key):
     """Record in the Edge file where we listen and wait for a head to call; None if a live
-    head other than ``seen`` appeared meanwhile (connect to it instead)."""
+    head other than ``seen`` appeared meanwhile (connect to it instead), or if a head that
+    could not reach us dropped our record (a network cut, say: dial it again)."""
     did = os.urandom(8).hex()
     listeners, urls, sock_path = await _edge_listeners(f"worker-{did}")
+
+    def recorded():
+        with edge.locked() as data:
+            return any(isinstance(d, dict) and d.get("did") == did for d in data["dialer"])
+
+    async def while_recorded(scope):
+        while await trio.sleep(EDGE_HEARTBEAT_S) or recorded():
+            pass
+        scope.cancel()
     try:
         with edge.locked() as data:
             if EdgeFile.live(data["listener"]) and data["listener"] != seen:
@@ -2828,7 +2838,12 @@ async def _wait_to_be_called(edge, seen, key):
             data["dialer"].append({"host": hostname(), "did": did, "pid": os.getpid(),
                                    "urls": urls})
         log.info("waiting for a head to call (recorded in %s)", edge.path)
-        return await accept_one(listeners, key)
+        async with open_strict_nursery() as nursery:
+            nursery.start_soon(while_recorded, nursery.cancel_scope)
+            stream = await accept_one(listeners, key)
+            nursery.cancel_scope.cancel()
+            return stream
+        return None
     finally:
         with trio.CancelScope(shield=True):
             for listener in listeners:

@@ -1613,6 +1613,43 @@ async def test_remote_workers_meet_the_head_through_an_edge_file(workers, tmp_pa
     assert json.loads(edge.read_text())["listener"] is None   # our record is gone
 
 
+@trio_test
+async def test_a_waiting_worker_whose_record_a_head_dropped_dials_again(tmp_path,
+                                                                        monkeypatch):
+    # A head that could not call a waiting worker back (a network cut between them) drops
+    # its record, and will not call it again: the worker, once its record is gone, dials
+    # the recorded head again, and reaches it when it answers. (It waited for good.)
+    monkeypatch.setattr(grain, "EDGE_HEARTBEAT_S", 0.05)
+    key = grain.load_auth_key(str(tmp_path / "key"))
+    edge = grain.EdgeFile(str(tmp_path / "edge"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # (the head's address: nobody answers there yet)
+    with edge.locked() as data:
+        data["listener"] = {"host": grain.hostname(), "lid": "h", "pid": os.getpid(),
+                            "heartbeat": time.time(), "urls": {"lo": f"tcp://127.0.0.1:{port}"}}
+
+    def dialers():
+        with edge.locked() as data:
+            return data["dialer"]
+    got = []
+    async with trio.open_nursery() as nursery:
+        async def worker():
+            got.append(await grain.connect(f"edge://{tmp_path}/edge", key, wait=True))
+        nursery.start_soon(worker)
+        with trio.fail_after(10):
+            while not dialers():
+                await trio.sleep(0.01)
+            with edge.locked() as data:
+                data["dialer"] = []   # (what a head that could not call it does)
+            listeners, _ = await grain.open_listeners(f"tcp://127.0.0.1:{port}")
+            async with await grain.accept_one(listeners, key):
+                while not got:
+                    await trio.sleep(0.01)
+    await got[0].aclose()
+    assert dialers() == []
+
+
 def test_edge_file_recovery(tmp_path):
     edge = tmp_path / "edge"
     for content in ["", "{not json", '{"listener": {"host": "x", "urls": {}, "heartbeat": 1}}',
