@@ -244,6 +244,7 @@ MAX_FRAME = 1 << 30       # bytes; the largest frame a peer may send (1 GiB)
 HANDSHAKE_TIMEOUT_S = 5.0  # seconds a new connection has to prove it holds the key
 HEARTBEAT_S = 10.0        # seconds between heartbeats, both ways
 SILENT_S = 30.0           # seconds of silence after which a peer is taken for lost
+ALIVE_S = 15.0            # a worker's alive file touched this recently: its node is up
 MISSION_SILENT_S = 300.0  # ... a mission, whose main may block its event loop for a while
 FLUSH_S = 5.0             # seconds a closing connection may take to send what it queued
 EDGE_HEARTBEAT_S = 10.0   # seconds between refreshes of the listener's Edge record
@@ -722,10 +723,8 @@ def edit_locked(path, read, encode):
             if e.errno not in NO_LOCKS:
                 raise
 
-            def now():  # (the file server's time: a client's clock may be off)
-                os.utime(fd)
-                return os.fstat(fd).st_mtime
-            release = _hold_by_creating(path + ".lock.held", now)
+            release = _hold_by_creating(path + ".lock.held",
+                                        functools.partial(_file_server_now, fd))
         try:
             data = read()
             before = encode(data)
@@ -737,6 +736,48 @@ def edit_locked(path, read, encode):
                 release()
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _file_server_now(fd):
+    """The time now by the clock of the server of the open file ``fd`` (a client's clock
+    may be off): ``fd`` is touched."""
+    os.utime(fd)
+    return os.fstat(fd).st_mtime
+
+
+def touched_within(path, seconds):
+    """Was the file at ``path`` touched in the last ``seconds`` by its file server's clock?
+    False when it cannot be read. (Opened, not just stat'ed: NFS then asks the server
+    instead of answering from what it cached.)"""
+    try:
+        fd = os.open(os.path.join(os.path.dirname(path), ".now"), os.O_RDWR | os.O_CREAT,
+                     0o600)
+        try:
+            now = _file_server_now(fd)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            return now - os.fstat(f.fileno()).st_mtime < seconds
+    except OSError:
+        return False
+
+
+async def keep_touching(path):
+    """Touch the file at ``path`` (made, with its folder, if need be) every HEARTBEAT_S
+    until cancelled, then remove it. A touch that fails is only a touch missed."""
+    def touch():
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    try:
+        while True:
+            with contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(touch)
+            await trio.sleep(HEARTBEAT_S)
+    finally:
+        _unlink_quietly(path)
 
 
 def _hold_by_creating(path, now):
@@ -2684,6 +2725,14 @@ async def accept_one(listeners, key):
 # Schemes a section below speaks: {scheme: (serve(url, key, on_accept, task_status),
 # connect(url, key, wait))}, filled in there (the Bridge)
 MORE_SCHEMES = {}
+
+
+def alive_folder(url):
+    """Where the workers of the head at ``url`` touch their alive files: a folder beside
+    its Edge file, on the filesystem the head and they share (None for another address).
+    A head that hears nothing from a worker tells by it a node cut off from the network,
+    whose jobs run on, from a node gone."""
+    return f"{url[len('edge://'):]}.alive" if str(url).startswith("edge://") else None
 
 
 async def serve(url, key, handler, *, task_status=TASK_STATUS_IGNORED):
@@ -6323,7 +6372,7 @@ class Reunion:
     that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
     (Only some wire ids outlive a head: see outlives_head. A head's own numbers are
     claimed only by a worker that comes back to that same head, which tells its workers
-    who it is (``instance``): see HeadCore.job_held.)
+    who it is (``instance``): see HeadCore.jobs_held.)
     ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
     def __init__(self, deliver, clock=_now, claim=lambda wire: None):
@@ -6336,7 +6385,7 @@ class Reunion:
         self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.failed = {}         # wire -> a failure reported while jobs are held (see below)
-        self.own_held = {}       # wire -> job held with a hold of its own (job_held)
+        self.own_held = {}       # wire -> job held with a hold of its own (jobs_held)
         self.hold_until = clock() + REJOIN_WAIT_S
 
     def offer(self, job, hold=None):
@@ -6406,7 +6455,7 @@ class Reunion:
 
     def _claimed(self, wire, ours=False):
         """The job ``wire`` if it waits here, held or queued (taken out), else None. A
-        number is only this head's own (``ours``), held by job_held."""
+        number is only this head's own (``ours``), held by jobs_held."""
         if not outlives_head(wire):
             return self.own_held.pop(wire, None) if ours else None
         return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
@@ -6523,21 +6572,35 @@ class HeadCore:
         self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
         self.pump()
 
-    def job_held(self, job, why):
-        """A job whose worker's connection went as a relay goes (with its bridge), not
-        its worker: held REJOIN_WAIT_S for the worker to come back to this head with it
-        (Reunion), else interrupted as lost."""
-        w = self.scheduler.release(job)
-        job.attempts -= 1  # (counted again when the worker comes back with it)
-        self.reunion.own_held[job.wire] = job
-        self._tasks.start_soon(self._release_held, job, w, why)
+    def jobs_held(self, jobs, w, why, hold, alive=None):
+        """The jobs of a worker whose connection went while the worker itself may live on:
+        held ``hold`` seconds at most for it to come back to this head with them (Reunion),
+        and, with ``alive`` (the file it touches while its node is up, when it went silent
+        but was not gone), only while it touches that; then interrupted as lost."""
+        for job in jobs:
+            self.scheduler.release(job)
+            job.attempts -= 1  # (counted again when the worker comes back with it)
+            self.reunion.own_held[job.wire] = job
+        self._tasks.start_soon(self._release_held, jobs, w, why, hold, alive)
 
-    async def _release_held(self, job, w, why):
-        await trio.sleep(REJOIN_WAIT_S)
-        if self.reunion.own_held.pop(job.wire, None) is job:
+    async def _release_held(self, jobs, w, why, hold, alive):
+        def waiting():
+            return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
+        with trio.move_on_after(hold):
+            # (the file is looked at here, not in a thread: as the Edge file, it is small
+            # and on a filesystem the head needs anyway)
+            while waiting() and (alive is None or touched_within(alive, ALIVE_S)):
+                await trio.sleep(HEARTBEAT_S if alive else hold)
+        if not (left := waiting()):
+            return
+        log.warning("worker %s did not come back (%s): re-queueing its %d held job(s)", w.name,
+                    "its node stopped touching its alive file" if alive and not
+                    touched_within(alive, ALIVE_S) else f"held {hold:g} s", len(left))
+        for job in left:
+            del self.reunion.own_held[job.wire]
             job.attempts += 1
             self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
-            self.pump()
+        self.pump()
 
     def job_cancelled(self, job):
         """A job cancelled as asked (its mission went away): it ends, with no result."""
@@ -6705,20 +6768,34 @@ class HeadService:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
                 why, kind = f"retired ({w.leaving})", RETRY_RETIRED
-            relay_went = why.endswith("(its connection closed)") and w.via is not None and \
-                w.via.startswith("relayed")  # (its bridge went, probably, not the worker)
+            hold, alive, how = None, None, "re-queueing them"
+            if why.endswith("(its connection closed)") and w.via is not None and \
+                    w.via.startswith("relayed"):  # (its bridge went, probably, not the worker)
+                hold, how = REJOIN_WAIT_S, f"holding them {REJOIN_WAIT_S:g} s for it to come back"
+            elif channel.silent and w.jobs and (alive := self._alive_file(info)) is not None \
+                    and touched_within(alive, ALIVE_S):  # (cut off from us; its jobs run on)
+                hold = info.get("reattach", 0)
+                how = (f"its node is up (it still touches {alive}): holding them while it "
+                       f"does, {hold:g} s at most (its reattach), for it to come back")
             if w.jobs:
                 log.warning("worker %s %s with %d job(s) running; %s", w.name, why,
-                            len(w.jobs), f"holding them {REJOIN_WAIT_S:g} s for it to come "
-                            "back" if relay_went else "re-queueing them")
-            if relay_went:
+                            len(w.jobs), how)
+            if hold is not None:
                 jobs, w.jobs = list(w.jobs.values()), {}
-                for job in jobs:
-                    self.owner.job_held(job, why)
+                self.owner.jobs_held(jobs, w, why, hold, alive)
             w.interrupt_all(kind, why)
             if channel.silent and self.job_book is not None and w.job_id:
                 self._nursery.start_soon(self._cancel_unless_back, w, info.get("reattach", 0),
                                          self.registered[w.job_id])
+
+    def _alive_file(self, info):
+        """The alive file of the worker that registered with ``info``, if it touches one: in
+        this head's folder for them (a worker names its file there, no other)."""
+        name, folder = info.get("alive"), alive_folder(self.listen)
+        if folder and isinstance(name, str) and name == os.path.basename(name) and \
+                not name.startswith("."):
+            return os.path.join(folder, name)
+        return None
 
     async def _cancel_unless_back(self, w, reattach, registered):
         """A worker lost in silence (its node gone, frozen or cut off) that is not back
@@ -8641,7 +8718,12 @@ async def worker_main(url=None, res=None, name=None, context_file=None, listen=N
         if stream is None:
             return 0
         worker = WorkerProcess(hello["name"], hello, value, reattach, max_frame, oversubscribe)
-        await worker.serve(stream, provider, functools.partial(connect, url, key, wait=True))
+        async with open_strict_nursery() as nursery:
+            if reattach > 0 and (folder := alive_folder(url)) is not None:
+                hello["alive"] = f"{hostname()}.{os.getpid()}"
+                nursery.start_soon(keep_touching, os.path.join(folder, hello["alive"]))
+            await worker.serve(stream, provider, functools.partial(connect, url, key, wait=True))
+            nursery.cancel_scope.cancel()
     return 0
 
 
