@@ -2877,8 +2877,9 @@ async def _wait_to_be_called(edge, seen, key):
             return any(isinstance(d, dict) and d.get("did") == did for d in data["dialer"])
 
     async def while_recorded(scope):
-        while await trio.sleep(EDGE_HEARTBEAT_S) or recorded():
-            pass
+        await trio.sleep(EDGE_HEARTBEAT_S)
+        while recorded():
+            await trio.sleep(EDGE_HEARTBEAT_S)
         scope.cancel()
     try:
         with edge.locked() as data:
@@ -6774,7 +6775,7 @@ class HeadService:
                 hold, how = REJOIN_WAIT_S, f"holding them {REJOIN_WAIT_S:g} s for it to come back"
             elif channel.silent and w.jobs and (alive := self._alive_file(info)) is not None \
                     and touched_within(alive, ALIVE_S):  # (cut off from us; its jobs run on)
-                hold = info.get("reattach", 0)
+                hold = info["reattach"]
                 how = (f"its node is up (it still touches {alive}): holding them while it "
                        f"does, {hold:g} s at most (its reattach), for it to come back")
             if w.jobs:
@@ -6789,11 +6790,13 @@ class HeadService:
                                          self.registered[w.job_id])
 
     def _alive_file(self, info):
-        """The alive file of the worker that registered with ``info``, if it touches one: in
-        this head's folder for them (a worker names its file there, no other)."""
+        """The alive file of the worker that registered with ``info``, if it touches one and
+        keeps its jobs for a new head: in this head's folder for them (a worker names its
+        file there, no other)."""
         name, folder = info.get("alive"), alive_folder(self.listen)
         if folder and isinstance(name, str) and name == os.path.basename(name) and \
-                not name.startswith("."):
+                not name.startswith(".") and type(info.get("reattach")) in (int, float) and \
+                info["reattach"] > 0:  # (a peer's word: checked before a finally uses it)
             return os.path.join(folder, name)
         return None
 

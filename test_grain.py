@@ -4912,12 +4912,13 @@ async def test_a_silent_worker_is_removed_and_its_jobs_requeued(autojump_clock):
         assert (await job)[3] == "rescue"
 
 
-async def _silent_worker_with_an_alive_file(tmp_path, exer, nursery, service, alive):
+async def _silent_worker_with_an_alive_file(tmp_path, exer, nursery, service, alive,
+                                            reattach=120.0):
     """A worker that registers with ``exer`` (through ``service``) as one touching an alive
     file, is sent a job, then says nothing more: (its stream, the job, the run message)."""
     head_side, fake_side = trio.testing.memory_stream_pair()
     nursery.start_soon(service.handle_connection, head_side, "node1")
-    info = {"name": "w1", "res": Cores([0, 1]), "pid": 7, "reattach": 120.0, "alive": alive}
+    info = {"name": "w1", "res": Cores([0, 1]), "pid": 7, "reattach": reattach, "alive": alive}
     await fake_side.send_all(grain.encode_frame(grain.dumps_control(("register", info))))
     await exer.wait_for_workers(1)
     job = exer.submit(Cores(1), where_am_i, 1)
@@ -4989,7 +4990,8 @@ async def test_a_worker_silent_but_touching_its_alive_file_keeps_its_jobs(
 async def test_a_silent_worker_whose_alive_file_is_stale_or_elsewhere_is_lost_at_once(
         tmp_path, autojump_clock):
     # Its node stopped touching the file (gone): its job runs again at once. A name that is
-    # not a file in the head's alive folder (a path elsewhere) is not looked at.
+    # not a file in the head's alive folder (a path elsewhere) is not looked at, nor is the
+    # file of a worker whose reattach is not a number of seconds.
     folder = tmp_path / "edge.alive"
     folder.mkdir()
     (tmp_path / "elsewhere").touch()
@@ -4997,11 +4999,13 @@ async def test_a_silent_worker_whose_alive_file_is_stale_or_elsewhere_is_lost_at
     stale = folder / "node1.7"
     stale.touch()
     os.utime(stale, (time.time() - grain.ALIVE_S - 1,) * 2)
-    for alive in ("node1.7", f"{tmp_path}/elsewhere", "../elsewhere"):
+    (folder / "fresh.8").touch()
+    for alive, reattach in (("node1.7", 120.0), (f"{tmp_path}/elsewhere", 120.0),
+                            ("../elsewhere", 120.0), ("fresh.8", "10m")):
         async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
             service = grain.HeadService(exer, f"edge://{tmp_path}/edge", None)
             _, job, _ = await _silent_worker_with_an_alive_file(tmp_path, exer, nursery,
-                                                                service, alive)
+                                                                service, alive, reattach)
             while exer.workers:
                 await trio.sleep(1)
             assert job.state == "queued" and exer.retried_by_class == {"worker lost": 1}
