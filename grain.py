@@ -2837,10 +2837,12 @@ async def connect(url, key, *, wait=False):
     if scheme != "edge":
         return await _try_connect([url], key, url)
     edge, other = EdgeFile(where), None  # (the lid of a live head that holds another key)
+    said = set()  # the records whose head we said we wait for (once: a long cut dials often)
     while True:
         with edge.locked() as data:
             record = data["listener"]
-        if EdgeFile.live(record) and record.get("lid") == other:  # not ours, still there
+        lid = record.get("lid") if isinstance(record, dict) else None
+        if EdgeFile.live(record) and lid == other:  # not ours, still there
             await trio.sleep(EDGE_HEARTBEAT_S)  # (a wait for it to go, no try: not retry())
             continue
         if EdgeFile.live(record):
@@ -2851,21 +2853,23 @@ async def connect(url, key, *, wait=False):
                     raise
                 if isinstance(e, KeyMismatch):
                     log.warning("%s; waiting for a head that holds this one", e)
-                    other = record.get("lid")
+                    other = lid
                     continue
                 tried = f"{', '.join(_order_urls(record)) or 'no address it can reach'} ({e})"
-            log.warning("the head recorded in %s does not answer at %s; waiting for one",
-                        where, tried)
+            (log.debug if lid in said else log.warning)(
+                "the head recorded in %s does not answer at %s; waiting for one", where, tried)
         elif not wait:
             raise Unreachable(f"no live head is recorded in {where}")
         elif record:
             log.warning("Edge file %s holds a stale head record (pid %s on %s); waiting for "
                         "a live head", where, record.get("pid"), record.get("host"))
-        if (stream := await _wait_to_be_called(edge, record, key)) is not None:
+        say = log.debug if lid in said else log.info
+        said.add(lid)
+        if (stream := await _wait_to_be_called(edge, record, key, say)) is not None:
             return stream
 
 
-async def _wait_to_be_called(edge, seen, key):
+async def _wait_to_be_called(edge, seen, key, say=log.info):
     """Record in the Edge file where we listen and wait for a head to call; None if a live
     head other than ``seen`` appeared meanwhile (connect to it instead), or if a head that
     could not reach us dropped our record (a network cut, say: dial it again)."""
@@ -2887,7 +2891,7 @@ async def _wait_to_be_called(edge, seen, key):
                 return None
             data["dialer"].append({"host": hostname(), "did": did, "pid": os.getpid(),
                                    "urls": urls})
-        log.info("waiting for a head to call (recorded in %s)", edge.path)
+        say("waiting for a head to call (recorded in %s)", edge.path)
         async with open_strict_nursery() as nursery:
             nursery.start_soon(while_recorded, nursery.cancel_scope)
             stream = await accept_one(listeners, key)
