@@ -3582,12 +3582,29 @@ def _forward(stream, text):
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def _abandon_on_cancel():
-    """to_thread.run_sync's keyword that lets a cancelled caller go on without the thread:
-    ``cancellable`` until trio 0.23 renamed it (and later trios refuse the old name)."""
-    names = inspect.signature(trio.to_thread.run_sync).parameters
-    return {"abandon_on_cancel" if "abandon_on_cancel" in names else "cancellable": True}
+async def _in_thread(fn, *args):
+    """``fn(*args)`` in a thread of trio's cache; a cancelled caller goes on without it (the
+    result, when it comes, is dropped). Not trio.to_thread.run_sync: its capacity limiter
+    and its checkpoints cost a tenth of a program's start, for the many programs of a
+    worker, and no limit is wanted (the job's cores are the limit)."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    task, token = trio.lowlevel.current_task(), trio.lowlevel.current_trio_token()
+    waiting = [True]  # (False once the caller went on: cancelled, or given the result)
+
+    def deliver(outcome):  # (in trio, soon after the thread ended)
+        if waiting[0]:
+            waiting[0] = False
+            trio.lowlevel.reschedule(task, outcome)
+
+    def done(outcome):  # (in the thread)
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(deliver, outcome)
+
+    def abort(_):
+        waiting[0] = False
+        return trio.lowlevel.Abort.SUCCEEDED
+    trio.lowlevel.start_thread_soon(functools.partial(fn, *args), done)
+    return await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class _Program:
@@ -3673,11 +3690,9 @@ async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, ch
                    stdin=stdin, stderr=pipe if stderr is None else stderr,
                    start_new_session=True)
     program = _Program()
-    try:  # (a limiter of its own: trio's default one would let only 40 programs run)
-        code, out, err = await trio.to_thread.run_sync(
-            program.run, cmd, _real_cores(_RES.get()), options,
-            sys.stderr if stderr is None else None, limiter=trio.CapacityLimiter(1),
-            **_abandon_on_cancel())
+    try:
+        code, out, err = await _in_thread(program.run, cmd, _real_cores(_RES.get()), options,
+                                          sys.stderr if stderr is None else None)
     except BaseException:
         program.cancelled = True
         await _stop_process(program)
