@@ -2876,9 +2876,10 @@ async def _wait_to_be_called(edge, seen, key, say=log.info):
     did = os.urandom(8).hex()
     listeners, urls, sock_path = await _edge_listeners(f"worker-{did}")
 
-    def recorded():
-        with edge.locked() as data:
+    def recorded():  # (a file that cannot be read now drops nothing: wait on)
+        with contextlib.suppress(OSError), edge.locked() as data:
             return any(isinstance(d, dict) and d.get("did") == did for d in data["dialer"])
+        return True
 
     async def while_recorded(scope):
         await trio.sleep(EDGE_HEARTBEAT_S)
@@ -3583,10 +3584,11 @@ def _forward(stream, text):
 
 
 async def _in_thread(fn, *args):
-    """``fn(*args)`` in a thread of trio's cache; a cancelled caller goes on without it (the
-    result, when it comes, is dropped). Not trio.to_thread.run_sync: its capacity limiter
-    and its checkpoints cost a tenth of a program's start, for the many programs of a
-    worker, and no limit is wanted (the job's cores are the limit)."""
+    """``fn(*args)`` in a thread of trio's cache, in (a copy of) the caller's context; a
+    cancelled caller goes on without it (the result, when it comes, is dropped). Not
+    trio.to_thread.run_sync: its capacity limiter and its checkpoints cost a tenth of a
+    program's start, for the many programs of a worker, and no limit is wanted (the job's
+    cores are the limit)."""
     await trio.lowlevel.checkpoint_if_cancelled()
     task, token = trio.lowlevel.current_task(), trio.lowlevel.current_trio_token()
     waiting = [True]  # (False once the caller went on: cancelled, or given the result)
@@ -3603,7 +3605,9 @@ async def _in_thread(fn, *args):
     def abort(_):
         waiting[0] = False
         return trio.lowlevel.Abort.SUCCEEDED
-    trio.lowlevel.start_thread_soon(functools.partial(fn, *args), done)
+    # (the context: where a local job's output goes, _OUTPUT, is the job's in the thread too)
+    trio.lowlevel.start_thread_soon(functools.partial(
+        contextvars.copy_context().run, fn, *args), done)
     return await trio.lowlevel.wait_task_rescheduled(abort)
 
 
@@ -6570,6 +6574,8 @@ class HeadCore:
     def remove_worker(self, worker):
         self.scheduler.remove_worker(worker)
 
+    workers = property(lambda self: self.scheduler.workers)
+
     def statistics(self):
         return self.scheduler.statistics()
 
@@ -6606,16 +6612,22 @@ class HeadCore:
     async def _release_held(self, jobs, w, why, hold, alive):
         def waiting():
             return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
+        why_not = f"it is not back after {hold:g} s"
         with trio.move_on_after(hold):
             # (the file is looked at here, not in a thread: as the Edge file, it is small
             # and on a filesystem the head needs anyway)
-            while waiting() and (alive is None or touched_within(alive, ALIVE_S)):
+            while waiting():
+                if w.ident is not None and any(o.ident == w.ident for o in self.workers):
+                    why_not = "it came back without them"
+                    await trio.sleep(HEARTBEAT_S)  # (the results it reported are on their way)
+                    break
+                if alive is not None and not touched_within(alive, ALIVE_S):
+                    why_not = f"{alive} was not touched in the last {ALIVE_S:g} s"
+                    break
                 await trio.sleep(HEARTBEAT_S if alive else hold)
         if not (left := waiting()):
             return
-        log.warning("worker %s did not come back (%s): re-queueing its %d held job(s)", w.name,
-                    "its node stopped touching its alive file" if alive and not
-                    touched_within(alive, ALIVE_S) else f"held {hold:g} s", len(left))
+        log.warning("worker %s: re-queueing its %d held job(s): %s", w.name, len(left), why_not)
         for job in left:
             del self.reunion.own_held[job.wire]
             job.attempts += 1
@@ -6793,7 +6805,8 @@ class HeadService:
                     w.via.startswith("relayed"):  # (its bridge went, probably, not the worker)
                 hold, how = REJOIN_WAIT_S, f"holding them {REJOIN_WAIT_S:g} s for it to come back"
             elif channel.silent and w.jobs and (alive := self._alive_file(info)) is not None \
-                    and touched_within(alive, ALIVE_S):  # (cut off from us; its jobs run on)
+                    and touched_within(alive, ALIVE_S) and not any(  # (cut off; jobs run on)
+                        o.ident == w.ident for o in self.owner.workers):  # (not back already)
                 hold = info["reattach"]
                 how = (f"its node is up (it still touches {alive}): holding them while it "
                        f"does, {hold:g} s at most (its reattach), for it to come back")
@@ -6813,9 +6826,9 @@ class HeadService:
         keeps its jobs for a new head: in this head's folder for them (a worker names its
         file there, no other)."""
         name, folder = info.get("alive"), alive_folder(self.listen)
-        if folder and isinstance(name, str) and name == os.path.basename(name) and \
+        if folder and isinstance(name, str) and re.fullmatch(r"[\w.-]+", name) and \
                 not name.startswith(".") and type(info.get("reattach")) in (int, float) and \
-                info["reattach"] > 0:  # (a peer's word: checked before a finally uses it)
+                0 < info["reattach"] < 1e9:  # (a peer's word: checked before a finally uses it)
             return os.path.join(folder, name)
         return None
 
@@ -7536,7 +7549,6 @@ class GrainExecutor(HeadCore):
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = self.elapsed = None
 
-    workers = property(lambda self: self.scheduler.workers)
     group_times = property(lambda self: self.scheduler.group_times)
     urls = property(lambda self: self.service.urls if self.service else {})
     counts = property(lambda self: self.tally.counts)

@@ -2524,6 +2524,33 @@ def test_a_killed_mission_takes_its_pool_processes_and_their_programs_along(tmp_
     wait_for(lambda: not pid_running(int(program.read_text())), 10, "the job's program")
 
 
+def test_a_local_jobs_program_writes_its_stderr_to_the_job_log(tmp_path):
+    # With head.log_file, the mission's own worker's jobs print there, and so do the programs
+    # they run: their stderr is forwarded from run_program's thread, in the job's context.
+    cfg = tmp_path / "grain.toml"
+    cfg.write_text(f'[head]\nlog_file = "{tmp_path}/jobs.log"\n')
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        import grain
+        from grain.delayed import delayed, run
+        from grain.resource import Cores
+
+        @delayed
+        async def job():
+            await grain.run_program(["sh", "-c", "echo from-the-program >&2"])
+
+        async def main():
+            await (job @ Cores(1))()
+
+        run(main, local=Cores(1), config_file={str(cfg)!r})
+    """)
+    cp = run_py("-c", code)
+    assert cp.returncode == 0, cp.stderr
+    assert "from-the-program" in (tmp_path / "jobs.log").read_text()
+    assert "from-the-program" not in cp.stderr + cp.stdout
+
+
 @trio_test
 async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_path, capsys):
     cores = sorted(os.sched_getaffinity(0))
@@ -4933,15 +4960,26 @@ async def _silent_worker_with_an_alive_file(tmp_path, exer, nursery, service, al
     return fake_side, job, sent[2]
 
 
-@pytest.mark.parametrize("node", ["comes back", "stops", "stays cut off"])
+def _register_again(service, nursery, exer, resume):
+    """w1 registers again, as a worker back with ``resume`` (wire: allocation) does: its
+    stream."""
+    back, head_side = trio.testing.memory_stream_pair()
+    nursery.start_soon(service.handle_connection, head_side, "node1")
+    info = {"name": "w1", "res": Cores([0, 1]), "pid": 7, "reattach": 120.0,
+            "alive": "node1.7", "head": exer.instance, "resume": resume}
+    return back, grain.encode_frame(grain.dumps_control(("register", info)))
+
+
+@pytest.mark.parametrize("node", ["comes back", "comes back without it", "stops",
+                                  "stays cut off"])
 @trio_test
 async def test_a_worker_silent_but_touching_its_alive_file_keeps_its_jobs(
         node, tmp_path, autojump_clock, caplog):
     # A worker goes silent (its node cut off from the head's network) while its alive file
     # beside the Edge file is still touched: its job is held for it, not run again. It
-    # comes back with the job (which is its run), or its node stops touching the file (gone
-    # after all: the job runs again within HEARTBEAT_S), or it stays cut off past its
-    # reattach (run again then).
+    # comes back with the job (which is its run), or without it (the job runs again), or
+    # its node stops touching the file (gone after all: the job runs again within
+    # HEARTBEAT_S), or it stays cut off past its reattach (run again then).
     alive = tmp_path / "edge.alive" / "node1.7"
     alive.parent.mkdir()
     alive.touch()
@@ -4956,15 +4994,24 @@ async def test_a_worker_silent_but_touching_its_alive_file_keeps_its_jobs(
             await trio.sleep(grain.HEARTBEAT_S * 3)
             assert job.state != "queued" and exer.retried_by_class == {}   # held
             if node == "comes back":
-                back, head_side = trio.testing.memory_stream_pair()
-                nursery.start_soon(service.handle_connection, head_side, "node1")
-                info = {"name": "w1", "res": Cores([0, 1]), "pid": 7, "reattach": 120.0,
-                        "alive": "node1.7", "head": exer.instance,
-                        "resume": {run_msg[1]: run_msg[4]}}
+                back, hello = _register_again(service, nursery, exer, {run_msg[1]: run_msg[4]})
                 value = grain.dumps_job_value(("ran", "once"), "")
-                for msg in (("register", info), ("done", run_msg[1], True, value, 1.0)):
-                    await back.send_all(grain.encode_frame(grain.dumps_control(msg)))
+                await back.send_all(hello + grain.encode_frame(grain.dumps_control(
+                    ("done", run_msg[1], True, value, 1.0))))
                 assert await job == ("ran", "once") and job.attempts == 1
+            elif node == "comes back without it":
+                back, hello = _register_again(service, nursery, exer, {})
+                await back.send_all(hello)
+                t0 = trio.current_time()
+                sent = await _read_messages(grain.FrameStream(back), 2)
+                while not any(m[0] == "run" for m in sent):   # the job, to run again there
+                    sent += await _read_messages(grain.FrameStream(back), 1)
+                assert trio.current_time() - t0 <= grain.HEARTBEAT_S * 2
+                again = next(m for m in sent if m[0] == "run")
+                value = grain.dumps_job_value(("ran", "again"), "")
+                await back.send_all(grain.encode_frame(grain.dumps_control(
+                    ("done", again[1], True, value, 1.0))))
+                assert await job == ("ran", "again") and job.attempts == 2
             elif node == "stops":
                 os.utime(alive, (time.time() - 100,) * 2)
                 while job.state != "queued":
@@ -4978,17 +5025,55 @@ async def test_a_worker_silent_but_touching_its_alive_file_keeps_its_jobs(
         assert any(f"worker w1 was lost (silent for 30 s) with 1 job(s) running; its node is "
                    f"up (it still touches {alive}): holding them while it does, 120 s at "
                    "most" in m for m in said), said
-        back_or_not = [m for m in said if "did not come back" in m]
-        assert back_or_not == {
+        requeued = [m for m in said if "held job(s)" in m]
+        assert requeued == [f"worker w1: re-queueing its 1 held job(s): {why}" for why in {
             "comes back": [],
-            "stops": ["worker w1 did not come back (its node stopped touching its alive file):"
-                      " re-queueing its 1 held job(s)"],
-            "stays cut off": ["worker w1 did not come back (held 120 s): re-queueing its 1 "
-                              "held job(s)"]}[node]
-        if node != "comes back":
+            "comes back without it": ["it came back without them"],
+            "stops": [f"{alive} was not touched in the last 15 s"],
+            "stays cut off": ["it is not back after 120 s"]}[node]], said
+        if node in ("stops", "stays cut off"):
             assert exer.retried_by_class == {"worker lost": 1}
             exer.add_local_worker(Cores(1), "rescue")
             assert (await job)[3] == "rescue" and job.attempts == 2
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_silent_worker_back_already_is_not_held_for(tmp_path, autojump_clock, caplog):
+    # The worker saw the silence first and registered again before its old connection
+    # fell silent here (it was told to stop the job no one claimed then): the job runs
+    # again at once, not held for a worker that is back without it.
+    alive = tmp_path / "edge.alive" / "node1.7"
+    alive.parent.mkdir()
+    alive.touch()
+    async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
+        service = grain.HeadService(exer, f"edge://{tmp_path}/edge", None)
+        with caplog.at_level(logging.WARNING, logger="grain"):
+            _, job, run_msg = await _silent_worker_with_an_alive_file(
+                tmp_path, exer, nursery, service, "node1.7")
+            await trio.sleep(grain.HEARTBEAT_S)
+            back, hello = _register_again(service, nursery, exer, {run_msg[1]: run_msg[4]})
+            await back.send_all(hello)
+
+            async def heartbeats():   # (this one is not silent)
+                while True:
+                    await trio.sleep(grain.HEARTBEAT_S)
+                    await back.send_all(grain.encode_frame(grain.dumps_control(("ping",))))
+            nursery.start_soon(heartbeats)
+            while len(exer.workers) < 2:
+                await trio.sleep(0)
+            sent = await _read_messages(grain.FrameStream(back), 2)
+            assert ("cancel", run_msg[1]) in sent   # (no job claimed it)
+            while len(exer.workers) > 1:
+                await trio.sleep(1)
+            # Queued again, it is the run the worker back reported (it had not stopped it yet)
+            value = grain.dumps_job_value(("ran", "there"), "")
+            await back.send_all(grain.encode_frame(grain.dumps_control(
+                ("done", run_msg[1], True, value, 1.0))))
+            assert await job == ("ran", "there")
+        assert exer.retried_by_class == {"worker lost": 1}
+        assert any("with 1 job(s) running; re-queueing them" in r.getMessage()
+                   for r in caplog.records)
         nursery.cancel_scope.cancel()
 
 
