@@ -4960,6 +4960,15 @@ async def _silent_worker_with_an_alive_file(tmp_path, exer, nursery, service, al
     return fake_side, job, sent[2]
 
 
+def _fresh_alive_file(tmp_path):
+    """w1's alive file (node1.7) in the alive folder of the Edge file tmp_path/edge, just
+    touched."""
+    alive = tmp_path / "edge.alive" / "node1.7"
+    alive.parent.mkdir()
+    alive.touch()
+    return alive
+
+
 def _register_again(service, nursery, exer, resume):
     """w1 registers again, as a worker back with ``resume`` (wire: allocation) does: its
     stream."""
@@ -4980,9 +4989,7 @@ async def test_a_worker_silent_but_touching_its_alive_file_keeps_its_jobs(
     # comes back with the job (which is its run), or without it (the job runs again), or
     # its node stops touching the file (gone after all: the job runs again within
     # HEARTBEAT_S), or it stays cut off past its reattach (run again then).
-    alive = tmp_path / "edge.alive" / "node1.7"
-    alive.parent.mkdir()
-    alive.touch()
+    alive = _fresh_alive_file(tmp_path)
     async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
         service = grain.HeadService(exer, f"edge://{tmp_path}/edge", None)
         with caplog.at_level(logging.WARNING, logger="grain"):
@@ -5043,9 +5050,7 @@ async def test_a_silent_worker_back_already_is_not_held_for(tmp_path, autojump_c
     # The worker saw the silence first and registered again before its old connection
     # fell silent here (it was told to stop the job no one claimed then): the job runs
     # again at once, not held for a worker that is back without it.
-    alive = tmp_path / "edge.alive" / "node1.7"
-    alive.parent.mkdir()
-    alive.touch()
+    alive = _fresh_alive_file(tmp_path)
     async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
         service = grain.HeadService(exer, f"edge://{tmp_path}/edge", None)
         with caplog.at_level(logging.WARNING, logger="grain"):
