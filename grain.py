@@ -3059,12 +3059,17 @@ async def _watch_silence(channel, scope):
     """open_channel's watchdog: cancels ``scope`` (see there); one task, not a scope a receive."""
     while True:
         limit = channel.silent_after
-        quiet = channel.clock() - channel.last_heard
-        if limit is not None and quiet >= limit:
+        if limit is None:
+            await trio.sleep(HEARTBEAT_S)
+            continue
+        # (one sum, slept until and compared with: a deadline recomputed as a difference
+        # can round below itself, and the loop would wake at it again and again)
+        deadline = channel.last_heard + limit
+        if channel.clock() >= deadline:
             channel.silent = True
             scope.cancel()
             return
-        await trio.sleep(HEARTBEAT_S if limit is None else limit - quiet)
+        await trio.sleep_until(deadline)
 
 
 @contextlib.asynccontextmanager
