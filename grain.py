@@ -5978,9 +5978,17 @@ def _same_request(a, b):
     return type(a) is type(b) and (a is b or (a.N == b.N if type(a) is Cores else a == b))
 
 
-# What a stuck queue's warning and the status line say while no worker has joined
-NO_WORKER = ("no worker has joined yet (give run() local=..., or start workers with "
-             "`python grain.py up`)")
+# What a stuck queue's warning, explain() and the status line say while no worker is there
+NONE_JOINED = "no worker has joined yet"
+NO_WORKER = f"{NONE_JOINED} (give run() local=..., or start workers with `python grain.py up`)"
+
+
+def no_worker_text(joined, hint=True):
+    """Why no worker runs anything when none is connected: none has joined yet (``hint``:
+    with how to start some), or the ``joined`` that did have all left."""
+    if joined:
+        return f"no worker is connected: the {joined} that joined have left"
+    return NO_WORKER if hint else NONE_JOINED
 
 SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
 SchedulerStatistics.__doc__ = "The queues and workers of a Scheduler at one moment."
@@ -6013,6 +6021,7 @@ class Scheduler:
         self.workers = []
         self.queues = []
         self.n_queued = 0
+        self.joined = 0  # workers that ever joined: none left now means all of them went
         self.group_times = _GroupTimes()
         self.clock = clock
 
@@ -6022,6 +6031,7 @@ class Scheduler:
             if wt is not None:
                 wt._groups = self.group_times
         self.workers.append(w)
+        self.joined += 1
         self.grew(w)
         self.pump()
 
@@ -6267,7 +6277,8 @@ class Scheduler:
                     or now - q.warned_at < STUCK_REPEAT_S:
                 continue
             q.warned_at = now
-            where = f"the largest worker is {self.largest()}" if self.workers else NO_WORKER
+            where = (f"the largest worker is {self.largest()}" if self.workers
+                     else no_worker_text(self.joined))
             out.append((q, f"job {q.blocked_job.name} requesting "
                            f"{request_text(q.blocked_job.req)} has fitted no worker for "
                            f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued"))
@@ -6300,7 +6311,7 @@ class Scheduler:
     def _why(self, queue, job, now):
         req, workers = job.req, self.workers
         if not workers:
-            return "no worker has joined yet"
+            return no_worker_text(self.joined, hint=False)
         if (w := queue.reserved) is not None:
             return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
                     f"nothing else starts there until it fits (free on {w.name}: "
@@ -7236,9 +7247,12 @@ class ProgressLine:
         left = f" (~{format_walltime((total - ended) * elapsed / ended)} left)" \
             if ended and total > ended else ""
         why = ", ".join(f"{k}: {v}" for k, v in sorted(exer.tally.failed_by_class.items()))
+        # (attached to the head daemon, its one "worker" is the link: the daemon's own
+        # warnings say whether workers joined there and left)
+        attached = exer._link is not None
         where = (f"{sum(map(_job_cores, running))}/{held} cores busy on {n} worker(s)" if n
-                 else NO_WORKER if exer._link is None or workers else
-                 "not attached to the head daemon yet")
+                 else "not attached to the head daemon yet" if attached and not workers
+                 else no_worker_text(0 if attached else exer.scheduler.joined))
         return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {len(running)} "
                 f"running, {total - ended - len(running)} queued, {failed} failed"
                 f"{f' ({why})' if why else ''} | {where}")

@@ -6432,6 +6432,33 @@ async def test_with_no_worker_the_status_line_says_so_from_the_start(autojump_cl
                                  f"{NO_WORKER}")
 
 
+@trio_test
+async def test_once_its_workers_have_all_left_the_status_line_says_so(autojump_clock, caplog):
+    # Not "no worker has joined yet" (with how to start some) once one joined and left:
+    # the status line, the stuck queue's warning and explain name what happened.
+    async with grain.GrainExecutor(progress=False) as exer, trio.open_nursery() as nursery:
+        service = grain.HeadService(exer, None, None)
+        head_side, fake_side = trio.testing.memory_stream_pair()
+        nursery.start_soon(service.handle_connection, head_side, "node1")
+        register = ("register", {"name": "w1", "res": Cores([0]), "pid": 1})
+        await fake_side.send_all(grain.encode_frame(grain.dumps_control(register)))
+        await exer.wait_for_workers(1)
+        await fake_side.aclose()
+        while exer.workers:
+            await trio.sleep(0.1)
+        gone = "no worker is connected: the 1 that joined have left"
+        job = exer.submit(Cores(1), _calculation, 1)
+        assert _status(exer) == f"0/1 done, 0 running, 1 queued, 0 failed | {gone}"
+        with caplog.at_level(logging.WARNING, logger="grain"):
+            await trio.sleep(grain.STUCK_WARN_S + grain.STUCK_CHECK_S)
+        assert "has fitted no worker for 6" in caplog.text and f"s; {gone}; 1 job(s) queued" \
+            in caplog.text and "no worker has joined yet" not in caplog.text, caplog.text
+        assert [w["reason"] for w in exer.scheduler.explain()] == [gone]
+        exer.fail_queued("no worker came")
+        with pytest.raises(grain.GrainError, match="no worker came"):
+            await job
+
+
 def test_the_progress_line_shows_true_counts_on_a_terminal_only(tmp_path):
     script = tmp_path / "mission.py"
     script.write_text(PROGRESS_MISSION.format(here=HERE, extra=""))
