@@ -6426,6 +6426,7 @@ class Reunion:
         self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
         self.failed = {}         # wire -> a failure reported while jobs are held (see below)
         self.own_held = {}       # wire -> job held with a hold of its own (jobs_held)
+        self.results_due = {}    # wire -> the worker back with its result, not read yet
         self.hold_until = clock() + REJOIN_WAIT_S
 
     def offer(self, job, hold=None):
@@ -6479,11 +6480,21 @@ class Reunion:
         else:
             self.running[wire] = (w, self.clock())
 
+    def result_follows(self, w, wire, ours=False):
+        """A worker came back saying the result of job ``wire`` follows: the job is taken
+        out of the queue until it comes (else the queue could send it out again first, to
+        this very worker perhaps, under the same wire). Held by ``own_held`` meanwhile;
+        queued again if the worker goes before the result came (worker_left)."""
+        if (job := self._claimed(wire, ours)) is not None:
+            self.own_held[wire] = job
+            self.results_due[wire] = w
+
     def worker_finished(self, wire, result, ours=False):
         """A worker reports the result of a job that ended while it had no head. A failure
         waits for the end of the hold: it may be one the last head retried on another
         worker, which comes back with the job's success (that one wins)."""
         self.running.pop(wire, None)
+        self.results_due.pop(wire, None)
         if not result[0] and outlives_head(wire) and self.clock() < self.hold_until:
             self.failed[wire] = result
             return
@@ -6495,9 +6506,11 @@ class Reunion:
 
     def _claimed(self, wire, ours=False):
         """The job ``wire`` if it waits here, held or queued (taken out), else None. A
-        number is only this head's own (``ours``), held by jobs_held."""
+        head's own number is claimed only by a worker back at that head (``ours``): held by
+        jobs_held, or queued again once the hold ended. (Left queued, the job would be sent
+        to a worker again, perhaps this one, while this run is stopped.)"""
         if not outlives_head(wire):
-            return self.own_held.pop(wire, None) if ours else None
+            return (self.own_held.pop(wire, None) or self.claim(wire)) if ours else None
         return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
 
     def adopted(self, wire):
@@ -6508,6 +6521,11 @@ class Reunion:
     def worker_left(self, w):
         for wire in w.orphans:
             self.running.pop(wire, None)
+        for wire, due in list(self.results_due.items()):
+            if due is w:  # (gone before the results it came back with)
+                del self.results_due[wire]
+                if (job := self.own_held.pop(wire, None)) is not None:
+                    self.push(job)
 
     async def run(self, push):
         """At hold_until, queue the held jobs (``push``), telling their queues of those
@@ -6651,9 +6669,15 @@ class HeadCore:
         self.pump()
 
     def job_cancelled(self, job):
-        """A job cancelled as asked (its mission went away): it ends, with no result."""
+        """A worker stopped a job as asked. When its caller still waits (the head had
+        queued it again while its worker was away, and that worker came back with the
+        run), it is queued again; else (its mission went away) it ends with no result."""
         self.scheduler.release(job)
-        job.state = "failed"
+        if self.may_retry(job):
+            job.state = "queued"
+            self.requeue(job)
+        else:
+            job.state = "failed"
         self.pump()
 
     def job_sent(self, job):
@@ -6792,6 +6816,8 @@ class HeadService:
             for wire, alloc in resume.items():  # it ran them while alone (None: it ended)
                 if alloc is not None:
                     self.owner.reunion.worker_runs(w, wire, alloc, w.ours)
+                else:
+                    self.owner.reunion.result_follows(w, wire, w.ours)
         except PeerError as e:  # the jobs adopted from it so far go back to the queue
             self.owner.reunion.worker_left(w)
             w.interrupt_all(RETRY_LOST, f"was dropped ({e})")

@@ -4979,6 +4979,53 @@ def _register_again(service, nursery, exer, resume):
     return back, grain.encode_frame(grain.dumps_control(("register", info)))
 
 
+@pytest.mark.parametrize("then", ["the result comes", "the worker goes first"])
+@trio_test
+async def test_a_job_whose_result_a_returning_worker_says_follows_waits_for_it(
+        then, autojump_clock):
+    # A worker drops its connection while running a job; the head queues the job again.
+    # The worker comes back saying the job's result follows (it ended while away): the job
+    # waits for it, and is not sent out again meanwhile (to this very worker, under the
+    # same wire, the old run's result would be taken for the new run's). If the worker
+    # goes before the result came, the job is queued again, and runs elsewhere.
+    async with grain.GrainExecutor() as exer, trio.open_nursery() as nursery:
+        service = grain.HeadService(exer, None, None)
+        head_side, first = trio.testing.memory_stream_pair()
+        nursery.start_soon(service.handle_connection, head_side, "node1")
+        info = {"name": "w1", "res": Cores([0, 1]), "pid": 7, "reattach": 120.0}
+        await first.send_all(grain.encode_frame(grain.dumps_control(("register", info))))
+        await exer.wait_for_workers(1)
+        job = exer.submit(Cores(1), where_am_i, 1)
+        run_msg = (await _read_messages(grain.FrameStream(first), 3))[2]
+        await first.aclose()
+        while exer.workers:
+            await trio.sleep(1)
+        assert job.state == "queued" and exer.scheduler.n_queued == 1
+        back, hello = _register_again(service, nursery, exer, {run_msg[1]: None})
+        await back.send_all(hello)
+        await exer.wait_for_workers(1)
+        got, frames = [], grain.FrameStream(back)
+        with trio.move_on_after(grain.HEARTBEAT_S / 2):  # (before the head's first ping)
+            while True:
+                got += pickle.loads(await frames.receive())
+        assert [m[0] for m in got] == ["head"]     # not sent again: it waits for the result
+        assert exer.scheduler.n_queued == 0 and job.state == "queued"
+        if then == "the result comes":
+            value = grain.dumps_job_value(("ran", "once"), "")
+            await back.send_all(grain.encode_frame(grain.dumps_control(
+                ("done", run_msg[1], True, value, 1.0))))
+            assert await job == ("ran", "once")
+        else:
+            await back.aclose()
+            while exer.workers:
+                await trio.sleep(1)
+            assert exer.scheduler.n_queued == 1
+            exer.add_local_worker(Cores(1), "rescue")
+            assert (await job)[3] == "rescue"
+        assert exer.retried_by_class == {"worker lost": 1}
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("node", ["comes back", "comes back without it", "stops",
                                   "stays cut off"])
 @trio_test
