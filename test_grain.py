@@ -25,6 +25,7 @@ import sys
 import textwrap
 import time
 import types
+import unittest.mock
 import weakref
 from collections import Counter
 
@@ -6218,12 +6219,12 @@ def model_script(seed):
     jobs = {i: round(r.uniform(0, 30), 1) for i in range(r.randint(1, 6))}
     fates = {}
     for i in jobs:
-        for run in range(3):
+        for n in range(3):
             if r.random() < 0.6:
                 fate = r.choice(MODEL_FATES)
                 back = round(r.uniform(1, 60), 1) if fate in ("drop", "silent") and \
                     r.random() < 0.7 else None
-                fates[i, run] = (fate, round(r.uniform(0.5, 40), 1), back)
+                fates[i, n] = (fate, round(r.uniform(0.5, 40), 1), back)
     return ModelScript(workers, jobs, fates)
 
 
@@ -6238,6 +6239,8 @@ class ModelWorker:
         self.rescue = rescue       # the last resort: every run ends well after a second
         self.res = Cores(list(range(cores)))
         self.runs = {}             # wire -> (job, run, allocation, cancel scope)
+        self.started = {}          # wire -> the run it started last under it
+        self.stopping = set()      # wires of the runs the head told it to stop
         self.kept = []             # results got while away
         self.out = None            # what goes to the head (None: it is away)
         self.session = 0
@@ -6256,8 +6259,6 @@ class ModelWorker:
             info["head"] = self.model.exer.instance
             info["resume"] = {**dict.fromkeys(m[1] for m in self.kept),
                               **{wire: r[2] for wire, r in self.runs.items()}}
-            for i, run, *_ in self.runs.values():
-                self.model.back(i, run)
         self.session += 1
         self.model.sessions[head_side] = (self, self.session)
         self.silent = False
@@ -6312,6 +6313,7 @@ class ModelWorker:
             if run is not None:
                 self.model.nursery.start_soon(self._run, wire, args[0], run, msg[4])
         elif msg[0] == "cancel" and msg[1] in self.runs:
+            self.stopping.add(msg[1])
             self.model.nursery.start_soon(self._stop, self.runs[msg[1]][3])
         elif msg[0] in ("fin", "leave"):
             self.gone = True
@@ -6332,12 +6334,14 @@ class ModelWorker:
             self.model.script.fates.get((i, run), ("ok", 1.0, None))
         with trio.CancelScope() as scope:
             self.runs[wire] = (i, run, alloc, scope)
+            self.started[wire] = run
             await trio.sleep(after)
             if fate in ("drop", "silent", "leave"):
                 self.fall(fate, back)
                 await trio.sleep(after)  # (unless gone: it runs on while away)
                 fate = "ok"
         del self.runs[wire]
+        self.stopping.discard(wire)
         if scope.cancelled_caught:
             if not self.gone:
                 self.model.ended(i, run, "stopped")
@@ -6380,10 +6384,13 @@ class Model:
     def __init__(self, script):
         self.script = script
         self.runs = {i: [] for i in script.jobs}    # job -> [worker, state] of each run
+        self.current = {}          # job -> its run the head counts on (the last sent, or
+        #                            one a worker came back with that the head adopted)
         self.free = dict.fromkeys(script.jobs, False)  # may it run again?
         self.losses = Counter()    # job -> its latest runs lost (their worker went)
         self.sessions = {}         # the head's side of a connection -> (worker, session)
         self.gave = {i: set() for i in script.jobs}  # job -> (fate, run) of its runs' ends
+        self.ends = {}             # (job, run) -> how it ended
         self.completed = Counter()  # job -> outcomes delivered
         self.outcomes = {}
         self.violations = []
@@ -6404,6 +6411,7 @@ class Model:
             self.violated(f"job {i} was sent to {worker.name} after its outcome was delivered")
         self.free[i] = False
         runs.append([worker.name, "sent"])
+        self.current[i] = len(runs) - 1
         if not worker.serving(session):  # (on a connection gone, or to a silent worker)
             self._lose(i)
 
@@ -6426,26 +6434,40 @@ class Model:
     def _lose(self, i):
         self.losses[i] += 1
         self.free[i] = True
-        self.runs[i][-1][1] = "lost"
+        self.runs[i][self.current[i]][1] = "lost"
 
     def worker_lost(self, name):
-        """The latest runs on worker ``name`` are lost: those it runs, and those on their
-        way to it."""
-        for i, runs in self.runs.items():
-            if runs and runs[-1][0] == name and runs[-1][1] in ("sent", "live"):
+        """The runs the head counts on that worker ``name`` runs, or that are on their way
+        to it, are lost."""
+        for i, n in self.current.items():
+            if self.runs[i][n][0] == name and self.runs[i][n][1] in ("sent", "live", "stopping"):
                 self._lose(i)
 
-    def back(self, i, run):
-        """A worker comes back still running this run (which may be the job's again)."""
-        if run == len(self.runs[i]) - 1:
-            self.runs[i][-1][1] = "live"
+    def adopted(self, job, w):
+        """The head takes a run a worker came back with for its job's: one it may have told
+        that worker to stop, when the job's run elsewhere was lost meanwhile (the job runs
+        again once it stopped, its outcome still its own)."""
+        i, (worker, session) = job.args[0], self.sessions[w.channel.stream]
+        self.current[i] = run = worker.started[job.wire]
+        fate = self.ends.get((i, run))  # (ended already: what it said is on its way)
+        self.runs[i][run][1] = "stopping" if job.wire in worker.stopping or \
+            fate == "stopped" else "live"
+        self.free[i] = False
+        if not worker.serving(session):  # (it went again as it came back)
+            self._lose(i)
+        elif fate is not None:
+            self._settle(i, run, fate)
 
     def ended(self, i, run, fate):
         self.gave[i].add((fate, run))
-        if run == len(self.runs[i]) - 1:
-            self.runs[i][-1][1] = fate
-            if fate == "temporary":
+        self.ends[i, run] = fate
+        self._settle(i, run, fate)
+
+    def _settle(self, i, run, fate):
+        if run == self.current[i]:
+            if fate == "temporary" or fate == "stopped" and self.runs[i][run][1] == "stopping":
                 self.free[i] = True
+            self.runs[i][run][1] = fate
 
     def check_outcomes(self):
         for i in self.script.jobs:
@@ -6555,8 +6577,13 @@ def _play(script, seed):
             model.violated("the sequence did not end")
         model.check_outcomes()
 
+    def adopt(w, job, alloc, now):
+        model.adopted(job, w)
+        return grain.Worker.adopt(w, job, alloc, now)
+
     watch = _ModelWatch(model, None)
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    with unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     return model
 
 

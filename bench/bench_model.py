@@ -15,6 +15,7 @@ import argparse
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # The suite's model (one description of it). Imported here, before the pool forks: the test
 # module gives the run a HOME of its own, which its processes share and this one removes.
 import test_grain as model  # noqa: E402
+
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the pool ends its processes so, at its end)
 
 logging.getLogger("grain").disabled = True  # (the warnings of the faults the model plays)
 
