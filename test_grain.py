@@ -6404,9 +6404,9 @@ class Model:
         i, (worker, session) = job.args[0], self.sessions[job.worker.channel.stream]
         runs = self.runs[i]
         if runs and not self.free[i]:
+            n = self.current[i]  # (the run the head counts on: not always the last sent)
             self.violated(f"job {i} was sent to {worker.name} (run {len(runs)}) while its run "
-                          f"{len(runs) - 1} on {runs[-1][0]} was neither lost nor failed to "
-                          "retry")
+                          f"{n} on {runs[n][0]} was neither lost nor failed to retry")
         if i in self.outcomes:
             self.violated(f"job {i} was sent to {worker.name} after its outcome was delivered")
         self.free[i] = False
