@@ -6395,6 +6395,7 @@ class Model:
         self.outcomes = {}
         self.violations = []
         self.steps = 0
+        self.submitted = 0         # jobs submitted so far
 
     def violated(self, text):
         self.violations.append(f"at {trio.current_time():.1f} s: {text}")
@@ -6488,6 +6489,34 @@ class Model:
                 if fate is None or not run.isdigit() or (fate, int(run)) not in self.gave[i]:
                     self.violated(f"job {i} ended with {got!r}, which no run of it raised")
 
+    def status_disagrees(self, exer):
+        """What the mission's status line says against what happened: done and failed are
+        the outcomes delivered, total the jobs submitted, running the jobs not ended whose
+        run the head counts on is at a worker that serves it (once each), and queued the
+        rest. (That a worker fell silent the head cannot know yet: the jobs it sent there
+        count as it counts them.)"""
+        text = grain.ProgressLine(exer, None).text()
+        done, total, said, queued, failed = map(int, re.search(
+            r"(\d+)/(\d+) done, (\d+) running, (-?\d+) queued, (\d+) failed", text).groups())
+        kinds = Counter(kind for kind, _ in self.outcomes.values())
+        serving, running = set(), set()
+        for w in exer.scheduler.workers:
+            worker, session = self.sessions[w.channel.stream]
+            if worker.silent:
+                running.update(job.args[0] for job in w.busy)
+            elif worker.serving(session):
+                serving.add(worker.name)
+        for i, n in self.current.items():
+            name, state = self.runs[i][n]
+            if name in serving and state in ("sent", "live", "stopping") and \
+                    i not in self.outcomes:
+                running.add(i)
+        expected = (kinds["value"], self.submitted, len(running), kinds["error"])
+        if (done, total, said, failed) != expected or queued < 0:
+            return (f"the status line says {text.split(' | ')[1]!r}, where {expected[0]} done "
+                    f"of {expected[1]}, {expected[2]} running, {expected[3]} failed")
+        return None
+
     def waits_with_room(self, scheduler):
         """A queue's first job waiting while a worker has room for it that no other job
         holds (the Scheduler reserves a worker only for a queue's first job)."""
@@ -6502,10 +6531,11 @@ class Model:
 
 class _ModelWatch(trio.abc.Instrument):
     """Counts task steps (a spinning loop shows as too many), and when every task waits,
-    checks that no job waits for room a worker has."""
+    checks that no job waits for room a worker has and that the status line is true."""
 
     def __init__(self, model, scheduler):
         self.model, self.scheduler, self.scope = model, scheduler, None
+        self.exer = None
 
     def before_task_step(self, task):
         self.model.steps += 1
@@ -6515,7 +6545,8 @@ class _ModelWatch(trio.abc.Instrument):
 
     def before_io_wait(self, timeout):
         if trio.lowlevel.current_statistics().tasks_runnable == 0:
-            why = self.model.waits_with_room(self.scheduler)
+            why = self.model.waits_with_room(self.scheduler) or \
+                self.model.status_disagrees(self.exer)
             if why is not None and why not in {v.split(": ", 1)[1] for v in self.model.violations}:
                 self.model.violated(why)
 
@@ -6561,7 +6592,7 @@ def _play(script, seed):
                     exer.job_sent = sent
                     model.exer, model.nursery = exer, nursery
                     model.service = grain.HeadService(exer, None, None)
-                    watch.scheduler = exer.scheduler
+                    watch.scheduler, watch.exer = exer.scheduler, exer
                     trio.lowlevel.add_instrument(watch)
                     for n, (name, (cores, reattach, at)) in enumerate(script.workers.items()):
                         nursery.start_soon(join_at, ModelWorker(model, name, cores, reattach,
@@ -6571,6 +6602,7 @@ def _play(script, seed):
                     async with trio.open_nursery() as waiting:
                         for i, at in sorted(script.jobs.items(), key=lambda item: item[1]):
                             await trio.sleep_until(at)
+                            model.submitted += 1
                             waiting.start_soon(outcome, exer.submit(Cores(1), _model_job, i), i)
                 nursery.cancel_scope.cancel()
         if deadline.cancelled_caught and model.steps < MODEL_STEPS:
@@ -6605,7 +6637,8 @@ def test_the_head_keeps_its_promises_over_seeded_sequences_of_events():
     # Model): a job runs again only after its run was lost or failed with a retried
     # class; its outcome reaches its caller exactly once and is what a run of it gave (a
     # WorkerLostError only after more losses than its retries); no job waits while a
-    # worker has room for it; no loop spins; every sequence ends. GRAIN_MODEL_SEQUENCES
+    # worker has room for it; the status line counts what happened; no loop spins; every
+    # sequence ends. GRAIN_MODEL_SEQUENCES
     # plays more (or fewer).
     sequences = int(os.environ.get("GRAIN_MODEL_SEQUENCES", "10000"))
     for seed in range(sequences):
