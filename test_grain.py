@@ -3922,7 +3922,17 @@ def on_host(host, *argv, cwd=HERE, timeout=120, **kw):
 
 
 def _cluster_trouble():
-    """Why the cluster of hosts cannot be used here (None: it can)."""
+    """Why the cluster of hosts cannot be used here (None: it can). Asked once a run: the
+    processes of the run that import this file (a worker unpickling a job's function) are
+    given the answer, not asking the cluster again (which, when it does not answer, would
+    hold each such job for the timeout)."""
+    known = os.environ.get("GRAIN_TEST_CLUSTER_TROUBLE")
+    if known is None:
+        known = os.environ["GRAIN_TEST_CLUSTER_TROUBLE"] = _ask_the_cluster() or ""
+    return known or None
+
+
+def _ask_the_cluster():
     if os.geteuid() != 0:
         return "entering the cluster's hosts (network namespaces) needs root"
     if not os.path.exists("/var/run/netns/grain-login") or not shutil.which("nsenter"):
@@ -3938,8 +3948,7 @@ def _cluster_trouble():
     return None
 
 
-needs_cluster = pytest.mark.skipif(_cluster_trouble() is not None,
-                                   reason=str(_cluster_trouble()))
+needs_cluster = pytest.mark.skipif(_cluster_trouble() is not None, reason=str(_cluster_trouble()))
 
 
 def node_cores():
