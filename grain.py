@@ -5953,6 +5953,14 @@ class JobQueue:
             if w.reserved_for is self.blocked_job:
                 w.reserved_for = None
 
+    def unblock(self):
+        """The blocked job started or left the queue: no worker is held for it, and should
+        it come back to the head of the queue (its worker lost, say), it waits from then,
+        not from when it first waited (a stuck warning would count the time it ran, and
+        it would hold a worker at once)."""
+        self.unreserve()
+        self.blocked_job = None
+
     def warn(self, message):
         """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
         log.warning("%s", message)
@@ -6062,7 +6070,7 @@ class Scheduler:
         jobs = list(queue.jobs)
         queue.jobs.clear()
         self.n_queued -= len(jobs)
-        queue.unreserve()
+        queue.unblock()
         queue.run = 0
         return jobs
 
@@ -6099,9 +6107,11 @@ class Scheduler:
             return False
         self.n_queued -= 1
         queue.run = 0
-        if queue.blocked_job is job and queue.reserved is not None:
-            queue.unreserve()
-            self.pump()  # the worker it held may take others now
+        if queue.blocked_job is job:
+            held = queue.reserved is not None
+            queue.unblock()
+            if held:
+                self.pump()  # the worker it held may take others now
         return True
 
     def launch(self, job, w, now=None):
@@ -6182,8 +6192,8 @@ class Scheduler:
             jobs.popleft()
             if queue.run:
                 queue.run -= 1
-            if queue.reserved is not None:
-                queue.unreserve()
+            if queue.blocked_job is not None:
+                queue.unblock()
             self.n_queued -= 1
             self.launch(job, w, now)
             started += 1

@@ -5334,6 +5334,30 @@ def test_scheduler_warns_of_a_stuck_queue_then_every_repeat():
     assert len(p.sched.stuck()) == 1
 
 
+@pytest.mark.parametrize("waited_first", [True, False], ids=["it waited first", "it started"])
+def test_a_job_queued_again_after_it_ran_waits_from_then(waited_first):
+    # Its worker was lost and it is queued again, with no worker to go to: the stuck
+    # warning counts from then, not from when it first waited (it ran meanwhile).
+    p = Policy()
+    p.push(1, 1)
+    p.now = 50.0 if waited_first else 0.0  # (a job with no worker to go to waits)
+    w = Recorder(Cores([0]), "w")
+    p.sched.add_worker(w)
+    assert w.started == [1]
+    p.now = 100.0  # it ran until its worker was lost
+    p.sched.remove_worker(w)
+    p.sched.release(p.jobs[1])
+    p.sched.push_front(p.jobs[1])
+    p.sched.pump()
+    p.now = 100.0 + grain.STUCK_WARN_S - 1
+    assert p.sched.stuck() == []
+    p.now = 100.0 + grain.STUCK_WARN_S
+    ((_, text),) = p.sched.stuck()
+    assert text == (f"job #1 None requesting Cores(N=1) has fitted no worker for "
+                    f"{grain.STUCK_WARN_S:.0f} s; no worker is connected: the 1 that joined "
+                    f"have left; 1 job(s) queued")
+
+
 def test_a_withdrawn_job_gives_up_its_reservation():
     # a job a worker came back with leaves the queue: the worker it held takes others
     p, w = _job_2_reserves_w()
@@ -6405,6 +6429,8 @@ class Model:
         self.violations = []
         self.steps = 0
         self.submitted = 0         # jobs submitted so far
+        self.jobs = {}             # the head's number of a job -> the job
+        self.away = {}             # job -> since when no run of it was at a worker (None: one is)
 
     def violated(self, text):
         self.violations.append(f"at {trio.current_time():.1f} s: {text}")
@@ -6420,6 +6446,7 @@ class Model:
         if i in self.outcomes:
             self.violated(f"job {i} was sent to {worker.name} after its outcome was delivered")
         self.free[i] = False
+        self.away[i] = None
         runs.append([worker.name, "sent"])
         self.current[i] = len(runs) - 1
         if not worker.serving(session):  # (on a connection gone, or to a silent worker)
@@ -6444,6 +6471,7 @@ class Model:
     def _lose(self, i):
         self.losses[i] += 1
         self.free[i] = True
+        self.away[i] = trio.current_time()
         self.runs[i][self.current[i]][1] = "lost"
 
     def worker_lost(self, name):
@@ -6462,7 +6490,7 @@ class Model:
         fate = self.ends.get((i, run))  # (ended already: what it said is on its way)
         self.runs[i][run][1] = "stopping" if job.wire in worker.stopping or \
             fate == "stopped" else "live"
-        self.free[i] = False
+        self.free[i], self.away[i] = False, None
         if not worker.serving(session):  # (it went again as it came back)
             self._lose(i)
         elif fate is not None:
@@ -6477,6 +6505,7 @@ class Model:
         if run == self.current[i]:
             if fate == "temporary" or fate == "stopped" and self.runs[i][run][1] == "stopping":
                 self.free[i] = True
+                self.away[i] = trio.current_time()
             self.runs[i][run][1] = fate
 
     def check_outcomes(self):
@@ -6526,6 +6555,20 @@ class Model:
                     f"of {expected[1]}, {expected[2]} running, {expected[3]} failed")
         return None
 
+    def warning_disagrees(self, text):
+        """A warning that a queue is stuck against what happened: the job it names had no
+        run at a worker for as long as it says."""
+        m = re.match(r"job #(\d+) \S+ requesting .* has fitted no worker for (\d+) s;", text)
+        if m is None:
+            return None
+        i, waited = self.jobs[int(m.group(1))].args[0], int(m.group(2))
+        away = self.away.get(i)
+        if away is None or trio.current_time() - away < waited - 0.5:  # (said in whole s)
+            where = "it runs" if away is None else \
+                f"a run of it was at a worker {trio.current_time() - away:.0f} s ago"
+            return f"a warning says job {i} has fitted no worker for {waited} s, where {where}"
+        return None
+
     def waits_with_room(self, scheduler):
         """A queue's first job waiting while a worker has room for it that no other job
         holds (the Scheduler reserves a worker only for a queue's first job)."""
@@ -6558,6 +6601,19 @@ class _ModelWatch(trio.abc.Instrument):
                 self.model.status_disagrees(self.exer)
             if why is not None and why not in {v.split(": ", 1)[1] for v in self.model.violations}:
                 self.model.violated(why)
+
+
+class _ModelHearsWarnings(logging.Handler):
+    """Checks each warning of grain's, as it is given, against what happened."""
+
+    def __init__(self, model):
+        super().__init__(logging.WARNING)
+        self.model = model
+
+    def emit(self, record):
+        why = self.model.warning_disagrees(record.getMessage())
+        if why is not None:
+            self.model.violated(why)
 
 
 def _play(script, seed):
@@ -6612,7 +6668,10 @@ def _play(script, seed):
                         for i, at in sorted(script.jobs.items(), key=lambda item: item[1]):
                             await trio.sleep_until(at)
                             model.submitted += 1
-                            waiting.start_soon(outcome, exer.submit(Cores(1), _model_job, i), i)
+                            model.away[i] = at
+                            job = exer.submit(Cores(1), _model_job, i)
+                            model.jobs[job.id] = job
+                            waiting.start_soon(outcome, job, i)
                 nursery.cancel_scope.cancel()
         if deadline.cancelled_caught and model.steps < MODEL_STEPS:
             model.violated("the sequence did not end")
@@ -6622,9 +6681,13 @@ def _play(script, seed):
         model.adopted(job, w)
         return grain.Worker.adopt(w, job, alloc, now)
 
-    watch = _ModelWatch(model, None)
-    with unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt):
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    watch, hears = _ModelWatch(model, None), _ModelHearsWarnings(model)
+    grain.log.addHandler(hears)
+    try:
+        with unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt):
+            trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        grain.log.removeHandler(hears)
     return model
 
 

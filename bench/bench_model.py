@@ -26,7 +26,8 @@ import test_grain as model  # noqa: E402
 
 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the pool ends its processes so, at its end)
 
-logging.getLogger("grain").disabled = True  # (the warnings of the faults the model plays)
+# The warnings of the faults the model plays are not printed (the model still hears them).
+logging.getLogger("grain").propagate = False
 
 
 def play(seeds):
