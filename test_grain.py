@@ -6556,8 +6556,17 @@ class Model:
         return None
 
     def warning_disagrees(self, text):
-        """A warning that a queue is stuck against what happened: the job it names had no
+        """A warning against what happened: a job retried as its worker went was running
+        there (the run the head counted on), and a job a stuck queue's warning names had no
         run at a worker for as long as it says."""
+        m = re.match(r"job #(\d+) .* failed with Worker(?:Lost|Retired)Error: job #\d+ \S+ "
+                     r"was running on worker (\S+), which", text)
+        if m is not None:
+            i, name = self.jobs[int(m.group(1))].args[0], m.group(2)
+            if i not in self.current or self.runs[i][self.current[i]][0] != name:
+                where = self.runs[i][self.current[i]][0] if i in self.current else "none"
+                return f"a warning says job {i} was running on {name}, where it ran on {where}"
+            return None
         m = re.match(r"job #(\d+) \S+ requesting .* has fitted no worker for (\d+) s;", text)
         if m is None:
             return None
