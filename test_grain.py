@@ -5334,15 +5334,19 @@ def test_scheduler_warns_of_a_stuck_queue_then_every_repeat():
     assert len(p.sched.stuck()) == 1
 
 
-@pytest.mark.parametrize("waited_first", [True, False], ids=["it waited first", "it started"])
+@pytest.mark.parametrize("waited_first", [True, False],
+                         ids=["it waited for a worker first", "it started at once"])
 def test_a_job_queued_again_after_it_ran_waits_from_then(waited_first):
     # Its worker was lost and it is queued again, with no worker to go to: the stuck
     # warning counts from then, not from when it first waited (it ran meanwhile).
-    p = Policy()
-    p.push(1, 1)
-    p.now = 50.0 if waited_first else 0.0  # (a job with no worker to go to waits)
-    w = Recorder(Cores([0]), "w")
-    p.sched.add_worker(w)
+    p, w = Policy(), Recorder(Cores([0]), "w")
+    if waited_first:
+        p.push(1, 1)
+        p.now = 50.0
+        p.sched.add_worker(w)
+    else:
+        p.sched.add_worker(w)
+        p.push(1, 1)
     assert w.started == [1]
     p.now = 100.0  # it ran until its worker was lost
     p.sched.remove_worker(w)
