@@ -6722,9 +6722,8 @@ def test_the_head_keeps_its_promises_over_seeded_sequences_of_events():
     # Model): a job runs again only after its run was lost or failed with a retried
     # class; its outcome reaches its caller exactly once and is what a run of it gave (a
     # WorkerLostError only after more losses than its retries); no job waits while a
-    # worker has room for it; the status line counts what happened; no loop spins; every
-    # sequence ends. GRAIN_MODEL_SEQUENCES
-    # plays more (or fewer).
+    # worker has room for it; the status line and the warnings say what happened; no loop
+    # spins; every sequence ends. GRAIN_MODEL_SEQUENCES plays more (or fewer).
     sequences = int(os.environ.get("GRAIN_MODEL_SEQUENCES", "10000"))
     for seed in range(sequences):
         model = _play(model_script(seed), seed)
