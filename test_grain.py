@@ -6432,8 +6432,7 @@ class Model:
         self.outcomes = {}
         self.violations = []
         self.steps = 0
-        self.submitted = 0         # jobs submitted so far
-        self.jobs = {}             # the head's number of a job -> the job
+        self.jobs = {}             # the head's number of a job submitted -> the job
         self.away = {}             # job -> since when no run of it was at a worker (None: one is)
 
     def violated(self, text):
@@ -6553,7 +6552,7 @@ class Model:
             if name in serving and state in ("sent", "live", "stopping") and \
                     i not in self.outcomes:
                 running.add(i)
-        expected = (kinds["value"], self.submitted, len(running), kinds["error"])
+        expected = (kinds["value"], len(self.jobs), len(running), kinds["error"])
         if (done, total, said, failed) != expected or queued < 0:
             return (f"the status line says {text.split(' | ')[1]!r}, where {expected[0]} done "
                     f"of {expected[1]}, {expected[2]} running, {expected[3]} failed")
@@ -6680,7 +6679,6 @@ def _play(script, seed):
                     async with trio.open_nursery() as waiting:
                         for i, at in sorted(script.jobs.items(), key=lambda item: item[1]):
                             await trio.sleep_until(at)
-                            model.submitted += 1
                             model.away[i] = at
                             job = exer.submit(Cores(1), _model_job, i)
                             model.jobs[job.id] = job
