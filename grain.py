@@ -29,7 +29,8 @@ Sections, in dependency order (each uses only what is above it):
     Context             GVAR and the run state, in ContextVars
     Jobs                Job, failure classes, Tally, Retries; pickling jobs' values
     Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
-    Transports          serve() and connect() for tcp, unix and Edge; Channel sessions
+    Transports          serve() and connect() for tcp, unix and Edge
+    Channels            message sessions over a stream: batched writes, dispatch_all
     Bridge              bridge://: meeting across clusters, direct or relayed; the server
     Subprocesses        the programs a job runs (run_program, job_env); @subprocify's pool
     Config              grain.toml as frozen dataclasses
@@ -2404,7 +2405,7 @@ def dispatch(handlers, msg, peer="a peer"):
 # interface), ``unix:///path`` and ``edge:///abs/path/file``; serve(url, key, handler) and
 # connect(url, key) give, alike for each scheme, a peer that passed the handshake as a trio
 # stream. Through an Edge file on the shared filesystem a head and its workers find each
-# other, whichever starts first. A Channel speaks messages over a stream, coalescing writes.
+# other, whichever starts first.
 
 
 class FrameStream:
@@ -2909,6 +2910,16 @@ async def _wait_to_be_called(edge, seen, key, say=log.info):
                               if not (isinstance(d, dict) and d.get("did") == did)]
 
 
+###############################################################################
+# Channels ####################################################################
+###############################################################################
+# A Channel speaks messages over a stream that passed its handshake: sends are queued and
+# go out coalesced, a batch a write (sealed, when the stream has a Seal); receives come
+# checked, a message at a time, or dispatched to handlers (``dispatch_all``), the loop
+# every side of the worker protocol runs. open_channel adds the heartbeat and the
+# watchdog that notices a silent peer.
+
+
 class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
@@ -2926,7 +2937,7 @@ class Channel:
         self._checked = deque()  # messages received (their writes proved, when sealed)
         self._out = []
         self._wakeup = trio.Event()
-        self.reader_flushes = False  # (see receive_all: then send need not wake the writer)
+        self._reader_flushes = False  # (see dispatch_all: then send need not wake the writer)
         self._closed = False
         self._writing = False
         self.flushed = trio.Event()  # set when the writer has stopped
@@ -2939,7 +2950,7 @@ class Channel:
         """Queue a message (left unchanged: it is pickled as the writer sends it, batched)."""
         if not self._closed:
             self._out.append(msg)
-            if not self.reader_flushes:
+            if not self._reader_flushes:
                 self._wakeup.set()
 
     async def run_writer(self):
@@ -3011,14 +3022,33 @@ class Channel:
         return data
 
     @property
-    def buffered(self):
-        """Has input come that receive() has not handed out yet?"""
-        return bool(self._checked or self._frames._ready)
-
-    @property
     def flush_due(self):
         """Is output queued, and no input waiting that could add to it? Then send it now."""
-        return bool(self._out) and not self.buffered
+        return bool(self._out) and not (self._checked or self._frames._ready)
+
+    async def dispatch_all(self, handlers, after_batch=None):
+        """Dispatch every message to ``handlers`` until the peer closes the connection.
+        Before waiting for more input, call ``after_batch()`` (when given: a pump, once for
+        a batch of results, not once a result), then send what the handlers queued: the
+        jobs a batch of results let start go out in one write. Meanwhile what they queue
+        does not wake the writer: with many workers, a job each, that wake was a task
+        switch a job for nothing."""
+        try:
+            while True:
+                if after_batch is not None and not (self._checked or self._frames._ready):
+                    after_batch()  # (no input waiting)
+                if self.flush_due:
+                    await self.flush()
+                self._reader_flushes = False
+                msg = await self.receive()
+                if msg is None:
+                    return
+                self._reader_flushes = True
+                dispatch(handlers, msg, self.peer)
+        finally:
+            self._reader_flushes = False
+            if self._out:
+                self._wakeup.set()
 
     async def receive(self):
         """The next message, or None when the peer closed the connection."""
@@ -5729,7 +5759,7 @@ class Worker:
         """The Scheduler chose this worker for ``job``, which it came back running before
         anyone claimed it: it goes on here."""
         self.adopt(job, self.orphans.pop(job.wire), now)
-        self.owner.reunion.adopted(job.wire)
+        self.owner.orphan_adopted(job)
 
     def cancel(self, job):
         """Stop a running job whose result nobody wants any more (only a head daemon asks,
@@ -5856,16 +5886,7 @@ class RemoteWorker(Worker):
         if job is not None:
             self.owner.job_reported(job, ok, data, duration, kind)
         else:  # one it ran while it had no head: it may be what a job waits for
-            self.release_orphan(jid)
-            self.owner.reunion.worker_finished(jid, (ok, data, duration, kind), self.ours)
-
-    def release_orphan(self, jid):
-        """A job this worker came back with ended: its resources take queued jobs now."""
-        if (alloc := self.orphans.pop(jid, None)) is not None:
-            self.res.dealloc(alloc)
-            self.running -= 1
-            self.owner.scheduler.grew(self)
-            self.owner.scheduler.pump()
+            self.owner.orphan_ended(self, jid, (ok, data, duration, kind))
 
     def cancel(self, job):
         """(Its resources come back when the worker confirms, or reports it done anyway.)"""
@@ -5875,7 +5896,8 @@ class RemoteWorker(Worker):
     def on_cancelled(self, jid):
         if (job := self.jobs.pop(jid, None)) is not None:
             self.owner.job_cancelled(job)
-        self.release_orphan(jid)
+        else:
+            self.owner.orphan_ended(self, jid)
 
 
 class SpecializedWorker(LocalWorker):
@@ -6383,31 +6405,6 @@ class Scheduler:
 # Reunion.
 
 
-async def receive_all(channel, handlers, after_batch=None):
-    """Dispatch every message of ``channel`` to ``handlers`` until the peer closes it.
-    Before waiting for more, call ``after_batch()`` (when given: a pump, once for a batch
-    of results, not once a result), then send what the handlers queued: the jobs a batch
-    of results let start go out in one write. Meanwhile what they queue on ``channel``
-    does not wake its writer: with many workers, a job each, that wake was a task switch
-    a job for nothing."""
-    try:
-        while True:
-            if after_batch is not None and not channel.buffered:
-                after_batch()
-            if channel.flush_due:
-                await channel.flush()
-            channel.reader_flushes = False
-            msg = await channel.receive()
-            if msg is None:
-                return
-            channel.reader_flushes = True
-            dispatch(handlers, msg, channel.peer)
-    finally:
-        channel.reader_flushes = False
-        if channel._out:
-            channel._wakeup.set()
-
-
 class Reunion:
     """Jobs and worker processes finding each other again after their head was replaced: a
     head daemon died and another started, or a mission that was its own head was run
@@ -6617,11 +6614,48 @@ class HeadCore:
 
     def remove_worker(self, worker):
         self.scheduler.remove_worker(worker)
+        self.reunion.worker_left(worker)
+
+    def worker_came_back(self, w, resume):
+        """``w`` registered saying what it ran while it had no head (``resume``: wire ->
+        its allocation, or None when it ended and its result follows): the jobs here that
+        wait for those are its again. (PeerError for a claim that makes no sense: what it
+        took so far goes back to the queue.)"""
+        try:
+            for wire, alloc in resume.items():
+                if alloc is not None:
+                    self.reunion.worker_runs(w, wire, alloc, w.ours)
+                else:
+                    self.reunion.result_follows(w, wire, w.ours)
+        except PeerError as e:
+            self.reunion.worker_left(w)
+            w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
+            raise
+        self.reunion.worker_back(w.ident, resume)
+
+    def orphan_adopted(self, job):
+        """A job ``job.worker`` came back running, unclaimed until now, is this job's run."""
+        self.reunion.adopted(job.wire)
+
+    def orphan_ended(self, w, wire, result=None):
+        """A run ``w`` came back with, that no job here had claimed, ended (``result``: how;
+        None: stopped, as asked): its resources take queued jobs now, and a job of this
+        head that waits for the result gets it."""
+        if (alloc := w.orphans.pop(wire, None)) is not None:
+            w.res.dealloc(alloc)
+            w.running -= 1
+            self.scheduler.grew(w)
+            self.scheduler.pump()
+        if result is not None:
+            self.reunion.worker_finished(wire, result, w.ours)
 
     workers = property(lambda self: self.scheduler.workers)
 
     def statistics(self):
         return self.scheduler.statistics()
+
+    def explain(self):
+        return self.scheduler.explain()
 
     # -- the worker protocol ---------------------------------------------------------
     def job_ended(self, job, value, error, duration):
@@ -6821,18 +6855,7 @@ class HeadService:
         if info.get("reattach", 1):
             w.ident = f"{w.name} (pid {w.pid} on {w.host})"
         w.channel.send(("head", self.owner.instance))
-        resume = info.get("resume") or {}
-        try:
-            for wire, alloc in resume.items():  # it ran them while alone (None: it ended)
-                if alloc is not None:
-                    self.owner.reunion.worker_runs(w, wire, alloc, w.ours)
-                else:
-                    self.owner.reunion.result_follows(w, wire, w.ours)
-        except PeerError as e:  # the jobs adopted from it so far go back to the queue
-            self.owner.reunion.worker_left(w)
-            w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
-            raise
-        self.owner.reunion.worker_back(w.ident, resume)
+        self.owner.worker_came_back(w, info.get("resume") or {})
         self.owner.add_worker(w)
         log.info("worker %s %s from %s (pid %s) with %r", w.name,
                  "came back" if info.get("resume") is not None else "joined", channel.peer,
@@ -6841,13 +6864,12 @@ class HeadService:
         try:
             if self.job_book is not None and info.get("job_id"):
                 await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
-            await receive_all(channel, w.message_handlers(), self.owner.pump)
+            await channel.dispatch_all(w.message_handlers(), self.owner.pump)
         except PeerError as e:
             why = f"was dropped ({e})"
             log.warning("worker %s from %s %s", w.name, channel.peer, why)
         finally:
             self.owner.remove_worker(w)
-            self.owner.reunion.worker_left(w)
             if channel.silent:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
@@ -6909,7 +6931,7 @@ class HeadService:
         read what they are still computing), and wait (FLUSH_S at most) for it to go out; to
         a peer that has not said who it is yet too (a worker that registers hears it)."""
         self.goodbye = ("leave",) if abort else ("fin",)
-        remote = [w.channel for w in self.owner.scheduler.workers if w.channel is not None]
+        remote = [w.channel for w in self.owner.workers if w.channel is not None]
         for channel in remote:
             channel.send(self.goodbye)
             channel.close_after_flush()
@@ -6972,12 +6994,12 @@ class HeadService:
                 "retried_by_class": dict(tally.retried_by_class),
                 "failed_by_class": dict(tally.failed_by_class),
                 "next": request_text(st.next_request) if st.next_request is not None else None,
-                "waiting": self.owner.scheduler.explain()}
+                "waiting": self.owner.explain()}
 
     def quit(self, pattern, force):
         """Make the workers whose names match ``pattern`` leave: after their jobs, or now."""
         done = []
-        for w in list(self.owner.scheduler.workers):
+        for w in list(self.owner.workers):
             if not fnmatch.fnmatchcase(w.name, pattern):
                 continue
             if w.channel is None:
@@ -7153,7 +7175,7 @@ class MissionLink:
                 log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
                          link.host, link.log_file)
                 self.owner.add_worker(link)
-                await receive_all(channel, link.message_handlers())
+                await channel.dispatch_all(link.message_handlers())
             if channel.silent and link is None:
                 raise GrainError("the head daemon did not answer this mission")
         except PeerError as e:
@@ -7274,7 +7296,7 @@ class ProgressLine:
 
     def text(self):
         exer = self.executor
-        counts, workers = exer.tally.counts, exer.scheduler.workers
+        counts, workers = exer.tally.counts, exer.workers
         done, failed, total = counts["done"], counts["failed"], len(exer._jobs) - exer._here
         running = [j for w in workers for j in w.busy]
         n, held = map(sum, zip((0, 0), *(w.fleet for w in workers)))
@@ -8636,7 +8658,7 @@ class WorkerProcess:
                     "fin": self.on_fin, "drain": self.on_drain, "cancel": self.on_cancel,
                     "leave": functools.partial(self.leave, "asked to quit now (-f)")}
         try:
-            await receive_all(channel, handlers)
+            await channel.dispatch_all(handlers)
         except PeerError as e:
             log.warning("%s; leaving", e)
             self.leave("it could not understand the head")
@@ -9101,7 +9123,7 @@ class HeadDaemon(HeadCore):
         log.info("mission %s attached from %s%s", m.name, m.host,
                  " (prioritized)" if m.prioritized else "")
         try:
-            await receive_all(channel, {"job": functools.partial(self._accept_job, m),
+            await channel.dispatch_all({"job": functools.partial(self._accept_job, m),
                                         "fn": functools.partial(self._accept_function, m),
                                         "ping": _ignore})
         except PeerError as e:

@@ -579,6 +579,15 @@ def _returning_worker(cores=4):
     return w
 
 
+def _head_of(w, scheduler, reunion, **hooks):
+    """A real HeadCore as ``w``'s owner, with ``scheduler`` and ``reunion`` (and ``hooks``,
+    the owner's methods a test stands in for)."""
+    w.owner = grain.HeadCore(grain.Retries())
+    w.owner.scheduler, w.owner.reunion = scheduler, reunion
+    for name, fn in hooks.items():
+        setattr(w.owner, name, fn)
+
+
 FAKE_NVIDIA_SMI = """#!/bin/sh
 if [ "$1" = "-L" ]; then
   cat <<'END'
@@ -5958,8 +5967,8 @@ def test_a_job_a_returning_worker_still_runs_is_adopted_not_started_twice():
     sched.add_queue(queue)
     reunion = grain.Reunion(None)
     w = _returning_worker(2)
-    w.owner = types.SimpleNamespace(reunion=reunion, job_sent=lambda job: None,
-                                    function_bytes=lambda fn: ("d", b""))
+    _head_of(w, sched, reunion, job_sent=lambda job: None,
+             function_bytes=lambda fn: ("d", b""))
     reunion.worker_runs(w, "a", Cores([1]))     # back with "a", which no job claimed yet
     sched.add_worker(w)
     job = grain.Job("a", Cores(1), None, (), {}, queue)
@@ -5995,9 +6004,8 @@ def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
     assert not reunion.offer(job("d"))                            # never ran: queue it
     # "a" ends as any job would; the cancelled one comes back as cancelled
     pumps = []
-    w.owner = types.SimpleNamespace(job_reported=lambda *a: None, reunion=reunion,
-                                    scheduler=types.SimpleNamespace(pump=lambda: pumps.append(1),
-                                                                    grew=pumps.append))
+    _head_of(w, types.SimpleNamespace(pump=lambda: pumps.append(1), grew=pumps.append),
+             reunion, job_reported=lambda *a: None)
     w.on_cancelled(7)
     assert w.res.N == 1 and w.running == 2 and pumps == [w, 1]  # freed cores take queued jobs
     now[0] = grain.REJOIN_WAIT_S + 1
@@ -6023,7 +6031,7 @@ def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
         sched.push(j)
     assert sched.n_queued == 3
     w = _returning_worker(cores=2)
-    w.owner = types.SimpleNamespace(scheduler=sched, reunion=reunion)
+    _head_of(w, sched, reunion)
     started = []
     w.start = started.append
     # as a registration: the jobs it runs first, then it joins the scheduler
@@ -7836,7 +7844,7 @@ async def test_a_receive_loop_whose_write_finds_its_peer_gone_ends_as_at_its_clo
     channel = grain.Channel(left, peer="the head")
     await right.aclose()
     channel.send(("leaving", "asked to quit now"))
-    await grain.receive_all(channel, {})
+    await channel.dispatch_all({})
     channel.send(("ping",))  # (nowhere to go: dropped)
     assert channel._out == []
     await left.aclose()

@@ -320,7 +320,7 @@ class Swarm:
             runs = 0
             try:
                 while True:
-                    if channel.flush_due:  # (as receive_all: a batch's results in one write)
+                    if channel.flush_due:  # (as dispatch_all: a batch's results in one write)
                         await channel.flush()
                     msg = await channel.receive()
                     if msg is None:
