@@ -409,7 +409,8 @@ def _run_command(argv, what="query", hint="", timeout=None, stdin=None, check=Tr
     caller to tell a batch system's "no such job" from its failing to answer. GrainError,
     one line naming the command, when it cannot run, does not return in time or
     (``check``) exits non-zero: ``what`` failed, and ``hint``, what to do."""
-    timeout, hint = timeout or BATCH_QUERY_S, f" — {hint}" if hint else ""
+    timeout = timeout or BATCH_QUERY_S
+    hint = f" — {hint}" if hint else ""
     try:
         cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
     except OSError as e:
@@ -442,7 +443,9 @@ class StandIn:
     None, after ``before(text)`` (a status line clears itself)."""
 
     def __init__(self, default, target=lambda: None, before=None):
-        self._default, self._target, self._before = default, target, before
+        self._default = default
+        self._target = target
+        self._before = before
 
     def write(self, text):
         with TERMINAL:  # (programs' threads forward their stderr here too)
@@ -619,7 +622,9 @@ class TaskPool:
     set (each job sets its own: GVAR)."""
 
     def __init__(self, nursery, fn):
-        self.nursery, self.fn, self.idle = nursery, fn, []
+        self.nursery = nursery
+        self.fn = fn
+        self.idle = []
 
     def start(self, *args):
         if self.idle:
@@ -1249,10 +1254,14 @@ class Cores(Resource):
     def __init__(self, N):
         if isinstance(N, int) and not isinstance(N, bool):
             self.N = self._total = _check_count(N, "Cores(N): the core count")
-            self._ids, self._counted = None, True
+            self._ids = None
+            self._counted = True
         elif isinstance(N, (list, tuple, set, frozenset, range)):
             ids = sorted({_check_count(i, "Cores([ids]): a core id") for i in N})
-            self._ids, self.N, self._total, self._counted = ids, len(ids), len(ids), False
+            self._ids = ids
+            self.N = len(ids)
+            self._total = len(ids)
+            self._counted = False
         else:
             raise ValueError(f"Cores(N) takes a whole number of cores or a list of core ids, "
                              f"got {N!r}")
@@ -1260,7 +1269,10 @@ class Cores(Resource):
     @classmethod
     def _of(cls, ids):  # fast constructor for allocations: ids already sorted and valid
         r = object.__new__(cls)
-        r._ids, r.N, r._total, r._counted = ids, len(ids), len(ids), False
+        r._ids = ids
+        r.N = len(ids)
+        r._total = len(ids)
+        r._counted = False
         return r
 
     def _id_list(self):
@@ -1458,7 +1470,9 @@ class Gpus(Resource):
     __slots__ = ("N", "ids", "share", "vendor", "near", "_free")
 
     def __init__(self, N, vendor="nvidia", near=None):
-        self.vendor, self.near, self.share = vendor, near or {}, None
+        self.vendor = vendor
+        self.near = near or {}
+        self.share = None
         if isinstance(N, (list, tuple)):
             self.ids = [str(i) for i in N]
             if len(set(self.ids)) != len(self.ids):
@@ -1469,7 +1483,8 @@ class Gpus(Resource):
             if N > 1 and N != int(N):
                 raise ValueError(f"Gpus({N!r}): a fraction of a GPU must be below 1 (a "
                                  "share of one device); ask for whole devices above that")
-            self.N, self.ids = (int(N) if N >= 1 else N), None
+            self.N = int(N) if N >= 1 else N
+            self.ids = None
         self._free = None  # provider: device id -> the fraction of it still free
 
     @classmethod
@@ -1566,7 +1581,8 @@ class _GroupTimes:
     A WTime provider keeps one; the workers of an executor share theirs."""
 
     def __init__(self):
-        self.samples, self.limits = {}, {}  # limits: group -> (T, softT)
+        self.samples = {}
+        self.limits = {}  # group -> (T, softT)
 
     def record(self, group, seconds):
         if seconds <= GROUP_MIN_RUN_S or group in self.limits:
@@ -1604,7 +1620,8 @@ class WTime(Resource):
             raise ValueError(f"WTime(group) must be a string, got {group!r}")
         if countdown and self.T is None:
             raise ValueError("WTime(countdown=True) needs T, the time the provider has")
-        self.group, self.countdown = group, bool(countdown)
+        self.group = group
+        self.countdown = bool(countdown)
         # When the countdown started (a provider), or the timed run of a group (an
         # allocation of a group request whose limits are not known yet).
         self._since = _timestamp() if countdown else None
@@ -1905,7 +1922,8 @@ class Tally:
 
     def __init__(self):
         self.counts = {"done": 0, "failed": 0, "retried": 0}
-        self.failed_by_class, self.retried_by_class = {}, {}
+        self.failed_by_class = {}
+        self.retried_by_class = {}
 
     def ended(self, state, kind=None):
         """Count a job that ended ``state`` ("done" or "failed", of class ``kind``)."""
@@ -2057,7 +2075,8 @@ class FunctionBytes:
     """``(digest, bytes)`` of job functions, each serialized once (an executor's cache)."""
 
     def __init__(self):
-        self._cache, self._last = {}, (None, None)
+        self._cache = {}
+        self._last = (None, None)
 
     def __call__(self, fn):
         if self._last[0] is fn:  # (jobs come in runs of one function)
@@ -2149,7 +2168,8 @@ class FrameDecoder:
         buf = self._buf
         buf += data
         frames = []
-        pos, n = 0, len(buf)
+        pos = 0
+        n = len(buf)
         while n - pos >= 4:
             (size,) = FRAME_HEADER.unpack_from(buf, pos)
             if size > self.max_frame:
@@ -2248,7 +2268,9 @@ class Seal:
             if self._held_bytes > most and len(self._held) > 1:
                 raise FrameError(f"{peer} sent more than a frame's worth untagged")
             return ()
-        frames, self._held, self._held_bytes = self._held, [], 0
+        frames = self._held
+        self._held = []
+        self._held_bytes = 0
         self.received += 1
         mac = self._in.copy()
         mac.update(self.received.to_bytes(8, "big"))
@@ -2837,7 +2859,8 @@ async def connect(url, key, *, wait=False):
         return await MORE_SCHEMES[scheme][1](url, key, wait)
     if scheme != "edge":
         return await _try_connect([url], key, url)
-    edge, other = EdgeFile(where), None  # (the lid of a live head that holds another key)
+    edge = EdgeFile(where)
+    other = None  # (the lid of a live head that holds another key)
     said = set()  # the records whose head we said we wait for (once: a long cut dials often)
     while True:
         with edge.locked() as data:
@@ -2924,9 +2947,11 @@ class Channel:
     """An authenticated connection: ``send(msg)`` queues, ``receive()`` awaits."""
 
     def __init__(self, stream, max_frame=MAX_FRAME, peer="?", silent_after=None):
-        self.stream, self.peer = stream, peer
+        self.stream = stream
+        self.peer = peer
         self._seal = getattr(stream, "seal", None)  # (None: an in-memory stream, in tests)
-        self._frames, self._max_frame = FrameStream(stream, max_frame=max_frame), max_frame
+        self._frames = FrameStream(stream, max_frame=max_frame)
+        self._max_frame = max_frame
         # A plain socket (not TLS's), read and written directly at its file descriptor: see
         # _read, _write. The descriptor is asked for each time: -1 once the socket is closed,
         # never a number the system has since given to another file. (The bound method, kept:
@@ -2975,7 +3000,8 @@ class Channel:
         self._writing = True
         try:
             while self._out:
-                out, self._out = self._out, []
+                out = self._out
+                self._out = []
                 for i in range(0, len(out), WRITE_MESSAGES):  # (a tag a frame: see Seal)
                     for frame in _frames_of(out[i:i + WRITE_MESSAGES], self._max_frame):
                         write = [FRAME_HEADER.pack(len(frame)), frame]
@@ -2985,7 +3011,8 @@ class Channel:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The peer went (its end closed as it went, say): what was queued goes nowhere,
             # and receive() says it went. Not an error of the task that flushed.
-            self._closed, self._out = True, []
+            self._closed = True
+            self._out = []
         finally:
             self._writing = False
             if self._closed:
@@ -3258,7 +3285,8 @@ async def _meet(host, port, label, options, other=None):
         raise PeerError(f"no stream to {other[0]}, direct or relayed, within "
                         f"{BRIDGE_DIRECT_S + BRIDGE_WAIT_S:g} s")
     stream, how = chosen
-    stream.peer, stream.via = other[0], f"{how} through bridge {host}:{port}"
+    stream.peer = other[0]
+    stream.via = f"{how} through bridge {host}:{port}"
     return stream
 
 
@@ -3381,7 +3409,8 @@ class BridgeServer:
         await trio.serve_listeners(self.handle, listeners)
 
     async def handle(self, stream):
-        peer, text = _peer_name(stream), "?"
+        peer = _peer_name(stream)
+        text = "?"
         try:
             with trio.fail_after(BRIDGE_WAIT_S):
                 text = await bridge_receive(stream)
@@ -3531,7 +3560,9 @@ class ProgramError(GrainError):
 
     def __init__(self, cmd, returncode, stderr_tail=""):
         super().__init__(cmd, returncode, stderr_tail)
-        self.cmd, self.returncode, self.stderr_tail = cmd, returncode, stderr_tail
+        self.cmd = cmd
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
 
     def __str__(self):
         name = self.cmd if isinstance(self.cmd, str) else shlex.join(map(str, self.cmd))
@@ -3550,7 +3581,8 @@ class _Spawned:
     def __init__(self, cmd, options):
         argv = ["/bin/sh", "-c", cmd] if options["shell"] else \
             [cmd] if isinstance(cmd, (bytes, os.PathLike)) else list(cmd)
-        actions, ends = [], []
+        actions = []
+        ends = []
         for fd, name in ((1, "stdout"), (2, "stderr")):
             if options[name] == subprocess.PIPE:
                 r, w = os.pipe()
@@ -3625,7 +3657,8 @@ async def _in_thread(fn, *args):
     program's start, for the many programs of a worker, and no limit is wanted (the job's
     cores are the limit)."""
     await trio.lowlevel.checkpoint_if_cancelled()
-    task, token = trio.lowlevel.current_task(), trio.lowlevel.current_trio_token()
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
     waiting = [True]  # (False once the caller went on: cancelled, or given the result)
 
     def deliver(outcome):  # (in trio, soon after the thread ended)
@@ -3693,7 +3726,8 @@ class _Program:
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         # A child of the program's that keeps a pipe open is not waited for: what came
         # FLUSH_S after the program's exit is what there is.
-        end, reading = math.inf, len(kept)
+        end = math.inf
+        reading = len(kept)
         while reading and time.monotonic() < end:
             for fd, _ in pipes.poll(PIPE_CHECK_S * 1000):
                 if not (chunk := os.read(fd, 65536)):
@@ -3921,7 +3955,9 @@ class SubprocessPool:
                 self._all.discard(child.process)  # (after: statistics() shows it until it is gone)
 
     async def aclose(self):
-        processes, self._all, self._idle = list(self._all), set(), []
+        processes = list(self._all)
+        self._all = set()
+        self._idle = []
         with trio.CancelScope(shield=True):
             for process in processes:
                 # Closing stdin ends an idle child at once; a busy one gets SIGTERM.
@@ -4089,7 +4125,10 @@ def setting(default, check=None, tables=(), path=False):
     return field(**default, metadata={"check": check, "tables": tables, "path": path})
 
 
-_ALL, _HEAD, _WORKER, _ROLES = ("", "head", "worker"), ("head",), ("worker",), ("head", "worker")
+_ALL = ("", "head", "worker")
+_HEAD = ("head",)
+_WORKER = ("worker",)
+_ROLES = ("head", "worker")
 
 
 @dataclass(frozen=True)
@@ -4299,7 +4338,9 @@ def load_config(config_file=None):
 # (JobBook), so `ls` and `down` find them even after a head crashed. A query that fails
 # means UNKNOWN, never ENDED: a busy controller must not make live jobs look dead.
 
-ENDED, UNKNOWN = "ENDED", "UNKNOWN"  # batch states: the job is gone / nobody could say
+# batch states: the job is gone / nobody could say
+ENDED = "ENDED"
+UNKNOWN = "UNKNOWN"
 
 
 def _directive_values(s, name, log):
@@ -4724,7 +4765,8 @@ def render_script(s, main, when=None, seq=0, tasks=0):
     when = time.time() if when is None else when
     name, log_file = job_name_and_log(s, when, seq)
     setup, cleanup = _setup_and_cleanup(_stamp(s.script.setup_cleanup, when, seq))
-    array, body = array_of(s, tasks), []
+    array = array_of(s, tasks)
+    body = []
     if array and log_file:  # each task its own log (the system's -o, one for all, keeps
         body.append(f'exec >>"{task_log(log_file, "${" + array[2] + "}")}" 2>&1')  # the rest)
     if cleanup:
@@ -4943,7 +4985,8 @@ def _nvidia_devices():
         return [], {}
     buses = dict(re.findall(r"^\s*(\d+)\s*,\s*(\S+)", _tool_output(
         ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]) or "", re.M))
-    instances, gpu = {}, None  # {GPU index: its MIG instances}
+    instances = {}  # {GPU index: its MIG instances}
+    gpu = None
     for line in listing.splitlines():
         if m := re.match(r"GPU (\d+):", line.strip()):
             gpu = m.group(1)
@@ -5311,7 +5354,8 @@ class ResultStore:
         # The workers (Worker.ident) this run sent jobs to, and those the run before sent
         # some to when it died: named in the holder file before a job goes, for a job sent
         # within STORE_FLUSH_S of that death has no entry to name its worker.
-        self.workers, self.last_workers = {}, set()  # (a dict: in order, looked up)
+        self.workers = {}  # (a dict: in order, looked up)
+        self.last_workers = set()
         self._lock = threading.Lock()  # the database, between threads
 
     # -- opening and holding -------------------------------------------------------
@@ -5470,7 +5514,8 @@ class ResultStore:
 
     def take(self):
         """The rows recorded since the last ``take`` (flat), to ``send``."""
-        rows, self._pending = self._pending, []
+        rows = self._pending
+        self._pending = []
         self._rows += len(rows) // _STORE_FIELDS
         return rows
 
@@ -5603,7 +5648,8 @@ class MissionResults:
         self.store = ResultStore(path)
         self.rerun_failed = rerun_failed
         self._functions = _FunctionKeys()
-        self._counts, self._unkeyable = {}, set()
+        self._counts = {}
+        self._unkeyable = set()
         self._sent = {}  # wire -> job sent to a worker process since the last write
 
     def known(self, job):
@@ -5674,7 +5720,8 @@ class MissionResults:
         self.store.start_writer()
         while True:
             await trio.sleep(STORE_FLUSH_S)
-            sent, self._sent = self._sent, {}
+            sent = self._sent
+            self._sent = {}
             for wire, job in sent.items():  # (and where: see known)
                 self.store.record(wire, self._functions[job.fn][1], "running", job.worker.ident)
             rows = self.store.take()
@@ -5727,7 +5774,8 @@ class Worker:
     ident = None      # who it is to the next head, if it may come back to one (Reunion)
 
     def __init__(self, owner, res, name):
-        self.owner, self.name = owner, name
+        self.owner = owner
+        self.name = name
         self.offered = res             # as the worker offered it, for messages
         if _part(res, "WTime") is None:  # no time limit: it runs timed jobs too
             res = res & WTime()
@@ -5749,7 +5797,9 @@ class Worker:
         """``job`` runs here already, with ``alloc``: this worker came back to this head
         with it (see Reunion). ``now``: its start, for this head's totals (its duration is
         what the worker says)."""
-        job.state, job.alloc, job.worker = "running", alloc, self
+        job.state = "running"
+        job.alloc = alloc
+        job.worker = self
         job.started = now
         job.attempts += 1
         self.jobs[job.wire] = job
@@ -5770,12 +5820,14 @@ class Worker:
         return {"ping": _ignore, "leaving": self.on_leaving}
 
     def on_leaving(self, why):
-        self.leaving, self.accepting = why, False
+        self.leaving = why
+        self.accepting = False
         log.info("worker %s is leaving: %s", self.name, why)
 
     def interrupt_all(self, kind, why):
         """Its process went: the jobs it ran go back to the owner as interrupted."""
-        jobs, self.jobs = list(self.jobs.values()), {}
+        jobs = list(self.jobs.values())
+        self.jobs = {}
         for job in jobs:
             self.owner.job_interrupted(job, kind, why)
 
@@ -5800,7 +5852,9 @@ class LocalWorker(Worker):
 
     def __init__(self, owner, res, name, nursery, context=None, output=None, in_order=False):
         super().__init__(owner, _local_provider(res), name)
-        self._nursery, self.context, self.output = nursery, context, output
+        self._nursery = nursery
+        self.context = context
+        self.output = output
         self._in_order = deque() if in_order else None
         self._tasks = TaskPool(nursery, self._run)
 
@@ -5855,7 +5909,10 @@ class RemoteWorker(Worker):
 
     def __init__(self, owner, res, name, channel, pid=None, host=None, job_id=None):
         super().__init__(owner, res, name)
-        self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
+        self.channel = channel
+        self.pid = pid
+        self.host = host
+        self.job_id = job_id
         self.known_functions = set()
         self.via = getattr(channel.stream, "via", None)  # met through a bridge: how
         self.ours = False  # it came back to the head it had left (see Reunion)
@@ -5910,7 +5967,10 @@ class SpecializedWorker(LocalWorker):
 
     def __init__(self, owner, res, name, nursery, context, channel, pid, host, job_id):
         super().__init__(owner, res, name, nursery, context)
-        self.channel, self.pid, self.host, self.job_id = channel, pid, host, job_id
+        self.channel = channel
+        self.pid = pid
+        self.host = host
+        self.job_id = job_id
         self.scopes = {}     # job id -> its cancel scope
 
     def start(self, job):
@@ -5960,13 +6020,16 @@ class JobQueue:
 
     def __init__(self, name, prioritized=False):
         self.jobs = deque()
-        self.name, self.prioritized = name, prioritized
+        self.name = name
+        self.prioritized = prioritized
         # the head job while it fits no worker, and since when
-        self.blocked_job, self.blocked_since = None, 0.0
+        self.blocked_job = None
+        self.blocked_since = 0.0
         self.warned_at = -math.inf
         self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
         self.run = 0                 # jobs right behind the first known to ask the same
-        self.fits, self.maybe = None, {}  # a request; the workers that may have room for it
+        self.fits = None  # a request
+        self.maybe = {}   # the workers that may have room for it
 
     def unreserve(self):
         """Give up the worker held for the blocked job (it started, or the queue is gone)."""
@@ -6156,7 +6219,8 @@ class Scheduler:
         """Give a job's allocation back to its worker, which it returns (only a run that
         succeeded teaches its WTime group how long the group's runs take). The job keeps
         ``alloc`` and ``worker``: where it ran last."""
-        w, alloc = job.worker, job.alloc
+        w = job.worker
+        alloc = job.alloc
         w.running -= 1
         w.busy.discard(job)
         if alloc is not ZERO:
@@ -6187,7 +6251,8 @@ class Scheduler:
     def _start_from(self, queue, limit):
         """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
         (backfill) later ones that fit while the oldest waits; returns how many started."""
-        jobs, workers = queue.jobs, self.workers
+        jobs = queue.jobs
+        workers = self.workers
         started, now = 0, self.clock()
         while jobs and started != limit:
             job = jobs[0]
@@ -6205,7 +6270,8 @@ class Scheduler:
                 if queue.blocked_job is not job:
                     if queue.reserved is not None:
                         queue.unreserve()
-                    queue.blocked_job, queue.blocked_since = job, now
+                    queue.blocked_job = job
+                    queue.blocked_since = now
                 else:
                     self._reserve_if_starving(queue, job)
                 if len(jobs) > queue.run + 1:
@@ -6229,7 +6295,8 @@ class Scheduler:
             # (ordered by links: a plain dict keeps the slots of those that left, and a
             # look for the first one would step over each, a thousand with 1,000 workers)
             queue.maybe = OrderedDict.fromkeys(self.workers)
-        maybe, full = queue.maybe, []
+        maybe = queue.maybe
+        full = []
         for w in maybe:
             if w.accepting and w.res.request(req):
                 if w.reserved_for is None or w.reserved_for is job:
@@ -6278,11 +6345,13 @@ class Scheduler:
             queue.run = i - 1
             stop = min(n, i + BACKFILL_DEPTH)
         else:
-            i, stop = first, n
+            i = first
+            stop = n
         failed = [head_req]
         started = 0
         while i < stop and started != limit:
-            job, w = jobs[i], None
+            job = jobs[i]
+            w = None
             if not any(_same_request(job.req, f) for f in failed):
                 w = next((w for w in self.workers if w.accepting and w.reserved_for is None
                           and w.res.request(job.req)), None)
@@ -6302,7 +6371,8 @@ class Scheduler:
     def stuck(self):
         """``[(queue, warning)]`` for each queue whose oldest job has fitted no worker for
         STUCK_WARN_S, again every STUCK_REPEAT_S while that lasts."""
-        now, out = self.clock(), []
+        now = self.clock()
+        out = []
         for q in self.queues:
             waited = now - q.blocked_since
             if not (q.jobs and q.jobs[0] is q.blocked_job) or waited < STUCK_WARN_S \
@@ -6331,7 +6401,8 @@ class Scheduler:
     def explain(self):
         """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
         "request", "waited", "reason"}]``, the reason in words with its figures."""
-        now, out = self.clock(), []
+        now = self.clock()
+        out = []
         for q in self.queues:
             if q.jobs:
                 job = q.jobs[0]
@@ -6341,7 +6412,8 @@ class Scheduler:
         return out
 
     def _why(self, queue, job, now):
-        req, workers = job.req, self.workers
+        req = job.req
+        workers = self.workers
         if not workers:
             return no_worker_text(self.joined, hint=False)
         if (w := queue.reserved) is not None:
@@ -6423,7 +6495,9 @@ class Reunion:
     ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
     def __init__(self, deliver, clock=_now, claim=lambda wire: None):
-        self.deliver, self.clock, self.claim = deliver, clock, claim
+        self.deliver = deliver
+        self.clock = clock
+        self.claim = claim
         self.held = {}           # wire -> job waiting for its worker to come back
         self.held_for = {}       # worker (True: any expected) -> the jobs held for it
         self.expected = {True}   # the workers the old head had (not known: one never back)
@@ -6540,10 +6614,12 @@ class Reunion:
         and no one claimed in time, and forget such results."""
         self.push = push
         await trio.sleep(max(0.0, self.hold_until - self.clock()))
-        failed, self.failed = self.failed, {}
+        failed = self.failed
+        self.failed = {}
         for wire, result in failed.items():  # no worker had a success for these
             self.worker_finished(wire, result)
-        held, self.held = self.held, {}
+        held = self.held
+        self.held = {}
         away = {}  # (queue, held for any worker) -> the workers its held jobs wait for
         for hold, jobs in self.held_for.items():
             for job in jobs:
@@ -6771,8 +6847,12 @@ class HeadService:
 
     def __init__(self, owner, listen, key, *, max_frame=MAX_FRAME, job_book=None,
                  commands=None, specialized=True):
-        self.owner, self.listen, self.key, self.max_frame = owner, listen, key, max_frame
-        self.job_book, self.specialized = job_book, specialized
+        self.owner = owner
+        self.listen = listen
+        self.key = key
+        self.max_frame = max_frame
+        self.job_book = job_book
+        self.specialized = specialized
         self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
         self.urls = {}                # where it listens: {interface: url}
         self.joined_job_ids = set()   # batch job ids of every worker that ever registered
@@ -6860,7 +6940,8 @@ class HeadService:
         log.info("worker %s %s from %s (pid %s) with %r", w.name,
                  "came back" if info.get("resume") is not None else "joined", channel.peer,
                  w.pid, w.offered)
-        why, kind = "was lost (its connection closed)", RETRY_LOST
+        why = "was lost (its connection closed)"
+        kind = RETRY_LOST
         try:
             if self.job_book is not None and info.get("job_id"):
                 await trio.to_thread.run_sync(self.job_book[1].mark_joined, info["job_id"])
@@ -6873,11 +6954,15 @@ class HeadService:
             if channel.silent:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
-                why, kind = f"retired ({w.leaving})", RETRY_RETIRED
-            hold, alive, how = None, None, "re-queueing them"
+                why = f"retired ({w.leaving})"
+                kind = RETRY_RETIRED
+            hold = None
+            alive = None
+            how = "re-queueing them"
             if why.endswith("(its connection closed)") and w.via is not None and \
                     w.via.startswith("relayed"):  # (its bridge went, probably, not the worker)
-                hold, how = REJOIN_WAIT_S, f"holding them {REJOIN_WAIT_S:g} s for it to come back"
+                hold = REJOIN_WAIT_S
+                how = f"holding them {REJOIN_WAIT_S:g} s for it to come back"
             elif channel.silent and w.jobs and (alive := self._alive_file(info)) is not None \
                     and touched_within(alive, ALIVE_S) and not any(  # (cut off; jobs run on)
                         o.ident == w.ident for o in self.owner.workers):  # (not back already)
@@ -6888,7 +6973,8 @@ class HeadService:
                 log.warning("worker %s %s with %d job(s) running; %s", w.name, why,
                             len(w.jobs), how)
             if hold is not None:
-                jobs, w.jobs = list(w.jobs.values()), {}
+                jobs = list(w.jobs.values())
+                w.jobs = {}
                 self.owner.jobs_held(jobs, w, why, hold, alive)
             w.interrupt_all(kind, why)
             if channel.silent and self.job_book is not None and w.job_id:
@@ -6963,7 +7049,8 @@ class HeadService:
     async def _answer(self, channel, command, *args):
         """Answer a CLI command. A handler returns its reply, or ``(reply, then)``: ``then()``
         runs once the reply has gone out (``stop``: the daemon ends after answering)."""
-        handler, then = self.commands.get(command), None
+        handler = self.commands.get(command)
+        then = None
         if handler is None:
             reply = {"error": f"the head at {self.listen} (pid {os.getpid()}) runs a mission "
                               f"in-process; `{command}` needs a head daemon (`grain.py head`)"
@@ -6983,7 +7070,8 @@ class HeadService:
 
     def stats(self):
         """What `ls` shows: the workers, the queue and the counts by failure class."""
-        st, tally = self.owner.statistics(), self.owner.tally
+        st = self.owner.statistics()
+        tally = self.owner.tally
         workers = [dict({key: (w.free.get(kind, (0, 0))[0], w.total.get(kind, (0, 0))[1])
                          for key, kind, _ in LS_AMOUNTS},
                         name=w.name, running=w.running, status=w.status, where=w.where, via=w.via,
@@ -7148,7 +7236,9 @@ class MissionLink:
     its jobs' ids on the workers its own."""
 
     def __init__(self, owner, attach, info, max_frame=MAX_FRAME):
-        self.owner, self.attach, self.max_frame = owner, attach, max_frame
+        self.owner = owner
+        self.attach = attach
+        self.max_frame = max_frame
         self.info = dict(info, token=os.urandom(8).hex())
         self.open_ = False  # attaching or attached
         self.resumed = set()  # ids of the jobs the last daemon had
@@ -7156,11 +7246,13 @@ class MissionLink:
 
     def open(self, nursery):
         if not self.open_:
-            self.open_, self.nursery = True, nursery
+            self.open_ = True
+            self.nursery = nursery
             nursery.start_soon(self._run)
 
     async def _run(self):
-        link, why = None, "went away (its connection closed)"
+        link = None
+        why = "went away (its connection closed)"
         try:
             stream = await self.attach()
             async with open_channel(stream, "the head daemon", max_frame=self.max_frame,
@@ -7171,7 +7263,8 @@ class MissionLink:
                     raise PeerError("it closed the connection before answering")
                 info = dispatch({"attached": dict, "refused": _refused}, reply, channel.peer)
                 channel.silent_after = None  # a busy daemon may be slow: its missions wait
-                link, self.closed_on_us = HeadLink(self.owner, channel, info, self.resumed), 0
+                link = HeadLink(self.owner, channel, info, self.resumed)
+                self.closed_on_us = 0
                 log.info("attached to the head daemon (pid %s on %s; log %s)", link.pid,
                          link.host, link.log_file)
                 self.owner.add_worker(link)
@@ -7197,7 +7290,8 @@ class MissionLink:
                     log.warning("the head daemon %s with %d job(s) of this mission; handing "
                                 "them to the next one; its log: %s", why, len(link.jobs),
                                 link.log_file)
-                    jobs, link.jobs = list(link.jobs.values()), {}
+                    jobs = list(link.jobs.values())
+                    link.jobs = {}
                     self.resumed.update(job.id for job in jobs)
                     self.owner.hand_back(jobs)
 
@@ -7284,7 +7378,8 @@ class ProgressLine:
     mix; it comes back at the next redraw, once that output has ended its line."""
 
     def __init__(self, executor, stream):
-        self.executor, self.stream = executor, stream
+        self.executor = executor
+        self.stream = stream
         self.shown = False
         self.partial = False   # others wrote half a line: do not draw over it
 
@@ -7296,8 +7391,11 @@ class ProgressLine:
 
     def text(self):
         exer = self.executor
-        counts, workers = exer.tally.counts, exer.workers
-        done, failed, total = counts["done"], counts["failed"], len(exer._jobs) - exer._here
+        counts = exer.tally.counts
+        workers = exer.workers
+        done = counts["done"]
+        failed = counts["failed"]
+        total = len(exer._jobs) - exer._here
         running = [j for w in workers for j in w.busy]
         n, held = map(sum, zip((0, 0), *(w.fleet for w in workers)))
         elapsed = _now() - exer.record.t0
@@ -7366,7 +7464,8 @@ def _colour(name):
 
 def _report_rows(record, ran):
     """``[(worker name, core id)]`` from top to bottom, and each (worker, core)'s row."""
-    rows, where = [], {}
+    rows = []
+    where = {}
     for w, _, _ in record.workers:
         c = _part(w.total, "Cores")
         for core in (c.c if c is not None else []):
@@ -7395,7 +7494,8 @@ def _report_bars(ran, where, t0, end, x, h):
         js.sort(key=lambda j: j.started)
         i = 0
         while i < len(js):
-            first, k = js[i], i + 1
+            first = js[i]
+            k = i + 1
             stop = first.ended or end
             while merge and k < len(js) and (js[k].started - stop) * x < 1:
                 stop = max(stop, js[k].ended or end)
@@ -7403,7 +7503,8 @@ def _report_bars(ran, where, t0, end, x, h):
             x0, w = (first.started - t0) * x, max((stop - first.started) * x, 0.5)
             name = _callable_name(first.fn) if first.fn is not None else "?"
             if k - i > 1:
-                label, cls = f"{k - i} jobs from {name}", "jobs"
+                label = f"{k - i} jobs from {name}"
+                cls = "jobs"
             else:
                 label = f"{first.call}: {stop - first.started:.2f} s"
                 cls = "job failed" if first.state == "failed" else "job"
@@ -7421,7 +7522,9 @@ def _report_use(record, ran, t0, end, x):
         [(joined, _cores_of(w.total), 1) for w, joined, _ in record.workers] + \
         [(left or end, -_cores_of(w.total), 1) for w, _, left in record.workers]
     steps.sort(key=lambda s: s[0])
-    level, points, top = [0, 0], ([], []), 1
+    level = [0, 0]
+    points = ([], [])
+    top = 1
     for t, d, kind in steps:  # a step at each pixel where the level changed
         px = round((t - t0) * x, 1)
         if points[kind] and points[kind][-1][0] == px:
@@ -7501,7 +7604,8 @@ class BurstClock:
     (24 bytes a queued job fewer)."""
 
     def __init__(self, head):
-        self.head, self.last = head, -math.inf
+        self.head = head
+        self.last = -math.inf
 
     def __call__(self):
         now = self.head.clock()
@@ -7595,14 +7699,17 @@ class GrainExecutor(HeadCore):
             log.warning("GrainExecutor(%s=...) has no effect in grain.py: %s", arg,
                         _NO_EFFECT[arg])
         if not reschedule:  # upstream: "abort on any exception": no retry at all
-            temporary_err, max_retries = (), 0
+            temporary_err = ()
+            max_retries = 0
         super().__init__(Retries(max_retries, temporary_err, persistent))
         self.rpw = None if nolocal else rpw
         self.local_name = name
         self._main_queue = JobQueue(name)
         self.scheduler.add_queue(self._main_queue)
         self.mission = mission or MissionSetup()
-        self.listen, self.key, self.max_frame = listen, key, max_frame
+        self.listen = listen
+        self.key = key
+        self.max_frame = max_frame
         self._link = None if self.mission.attach is None else MissionLink(
             self, self.mission.attach, self.mission.info, max_frame)
         # jobs may leave this process: their function and arguments are pickled at once
@@ -7610,7 +7717,8 @@ class GrainExecutor(HeadCore):
         self._workers_fixed = self.mission.workers_fixed and not self._remote
         self.service = None       # the HeadService, while it runs
         self.stored = MissionResults(results, rerun_failed) if results else None  # the store
-        self.report, self.progress = report, progress  # an HTML file; the status line
+        self.report = report      # an HTML file
+        self.progress = progress  # the status line
         self._jobs = []           # every job, in submission order
         self._here = 0            # those asking nothing (_asks_nothing)
         self._submit_time = BurstClock(self)
@@ -7767,12 +7875,14 @@ class GrainExecutor(HeadCore):
 
     def complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
-            job.value, job.state = value, "done"
+            job.value = value
+            job.state = "done"
         else:
             self.retries.note(job, error, kind)
             if str(error).startswith(PAST_T):  # (said where its T passed: here is its name)
                 error.args = (f"job {job.name} {error}",)
-            job.error, job.state = error, "failed"
+            job.error = error
+            job.state = "failed"
             job.kind = kind = kind or failure_class(error)
         job.ended = self.clock()
         if self.stored is not None and job.attempts and type(job.wire) is not int:
@@ -7924,7 +8034,8 @@ class GrainExecutor(HeadCore):
         return self
 
     def __exit__(self, etype, exc, tb):
-        todo, self._sync_jobs = self._sync_jobs, None
+        todo = self._sync_jobs
+        self._sync_jobs = None
         if etype is not None:
             return False
 
@@ -7949,7 +8060,9 @@ class WaitGroup:
     """Jobs and subtasks that run in parallel; the ``async with`` waits for all of them."""
 
     def __init__(self, executor, nursery):
-        self._executor, self._nursery, self._items = executor, nursery, []
+        self._executor = executor
+        self._nursery = nursery
+        self._items = []
 
     def submit(self, res, fn, *args, **kwargs):
         """Put a job onto the waitgroup; returns the Job."""
@@ -8022,7 +8135,9 @@ async def load_cache_or_exec1(res, fn, *args, **kwargs):
     while wanted and wanted[-1] in kwargs:
         name = wanted.pop()
         cache_kwargs[name] = kwargs[name]
-    params, cache_args, i = list(inspect.signature(fn).parameters), [], 0
+    params = list(inspect.signature(fn).parameters)
+    cache_args = []
+    i = 0
     for name in wanted:
         while i < len(args) and params[i] != name:
             i += 1
@@ -8382,7 +8497,10 @@ class DelayedFn:
     __slots__ = ("fn", "res", "nout", "copy")
 
     def __init__(self, fn, res=ZERO, nout=None, copy_on_setitem=True):
-        self.fn, self.res, self.nout, self.copy = fn, res, nout, copy_on_setitem
+        self.fn = fn
+        self.res = res
+        self.nout = nout
+        self.copy = copy_on_setitem
 
     def __matmul__(self, res):
         if not isinstance(res, Resource):
@@ -8575,7 +8693,9 @@ class WorkerProcess:
 
     def __init__(self, name, hello, context=None, reattach=0.0, max_frame=MAX_FRAME,
                  oversubscribe=False):
-        self.name, self.reattach, self.max_frame = name, reattach, max_frame
+        self.name = name
+        self.reattach = reattach
+        self.max_frame = max_frame
         self.oversubscribe = oversubscribe
         self.hello = hello       # what registering tells a head, but the resources
         self.context = context   # GVAR.context of its jobs
@@ -8587,7 +8707,9 @@ class WorkerProcess:
         self.running = {}        # job id -> (CancelScope, allocation)
         self.head = None         # the instance of the head it serves (or lost), if it said
         self.cancelled = set()   # ids of jobs the head cancelled (its mission went away)
-        self.state, self.why, self.until = "serving", None, None
+        self.state = "serving"
+        self.why = None
+        self.until = None
         self._nursery = self._job_tasks = None
         self._attending = None   # the cancel scope of serving (or looking for) a head
 
@@ -8635,7 +8757,9 @@ class WorkerProcess:
             channel.send(("register", dict(hello, res=self.res)))
             log.info("worker %s %s with %r", self.name,
                      "registered again" if "resume" in hello else "registered", self.res)
-            outbox, self.outbox, self.channel = self.outbox, [], channel
+            outbox = self.outbox
+            self.outbox = []
+            self.channel = channel
             for msg in outbox:
                 self.send(msg)
             with trio.CancelScope() as self._attending:
@@ -8671,7 +8795,8 @@ class WorkerProcess:
         self.channel = None  # (what jobs send from now on waits in the outbox)
         if self.reattach <= 0:
             log.warning("lost the head (%s); leaving", how)
-            self.state, self.why = "gone", f"lost the head ({how})"
+            self.state = "gone"
+            self.why = f"lost the head ({how})"
             return False
         # The head's own numbers: only that head can claim them, if it comes back (its
         # relay went, say); one that never said who it is cannot.
@@ -8681,7 +8806,8 @@ class WorkerProcess:
                 scope.cancel()
         # Of the results of one job, only the last goes again, and none while it runs: the
         # head ran it again after the earlier (a retry), which a new head must not retry.
-        since, last = trio.current_time() - RESEND_S, {}
+        since = trio.current_time() - RESEND_S
+        last = {}
         for t, msg in self.recent:
             if t > since and msg[1] not in self.running:
                 last[msg[1]] = msg
@@ -8775,12 +8901,14 @@ class WorkerProcess:
     def on_fin(self):
         log.info("the head said goodbye (its mission ended, or it was stopped); leaving "
                  "after %d running job(s)", len(self.running))
-        self.state, self.why = "draining", "the head said goodbye"
+        self.state = "draining"
+        self.why = "the head said goodbye"
         if not self.running:
             self._finish()
 
     def on_drain(self):
-        self.state, self.why = "draining", "asked to quit"
+        self.state = "draining"
+        self.why = "asked to quit"
         if not self.running:
             self.leave(self.why)
 
@@ -8889,7 +9017,9 @@ class _OpaqueFunction:
     __slots__ = ("digest", "data", "__name__")
 
     def __init__(self, digest, data, name):
-        self.digest, self.data, self.__name__ = digest, data, name
+        self.digest = digest
+        self.data = data
+        self.__name__ = name
 
 
 class MissionQueue(JobQueue):
@@ -8922,8 +9052,10 @@ class SwarmKeeper:
 
     def __init__(self, settings, target, quota, window):
         # settings: the worker RoleSettings, how to submit
-        self.settings, self.target = settings, target
-        self.quota_setting, self.window = quota, window
+        self.settings = settings
+        self.target = target
+        self.quota_setting = quota
+        self.window = window
         self.submitted = deque()     # times of recent submissions (trio's clock)
         self.pending = {}            # batch job id -> submission time, until it joins or ends
         self.note = ""               # why it is not at target, for `ls`
@@ -9013,8 +9145,10 @@ class HeadDaemon(HeadCore):
                                              "scale": self._scale}, specialized=False)
         self.missions = []
         self.heap = HeapFreezer()  # (frozen while missions are attached)
-        self.mission_socket, self.idle_quit = mission_socket, idle_quit
-        self.log_file, self.max_missions = log_file, max_missions
+        self.mission_socket = mission_socket
+        self.idle_quit = idle_quit
+        self.log_file = log_file
+        self.max_missions = max_missions
         self.swarm = swarm         # a SwarmKeeper, or None when no batch system is set
         if swarm is not None:
             swarm.warn = self.warn_all
@@ -9141,7 +9275,9 @@ class HeadDaemon(HeadCore):
         if fn is None or not isinstance(req, Resource) or not req._parts():
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
-        job.ref, job.wire, job.payload = ref, f"{m.token}/{ref}", payload
+        job.ref = ref
+        job.wire = f"{m.token}/{ref}"
+        job.payload = payload
         self.heap.freeze(job)
         if not (resumed and self.reunion.offer(job, hold=True)):
             self.scheduler.push(job)
@@ -9674,7 +9810,8 @@ def _cli_target(args):
             ("cli_dial", "worker.cli_dial", s.dial), ("dial", "worker.dial", s.address),
             ("address", "address", default_address())) if getattr(s, attr) != default),
         "the default Edge file")
-    key_path, address = args.key or s.auth_key, args.address or s.cli_dial
+    key_path = args.key or s.auth_key
+    address = args.address or s.cli_dial
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
         return _CliTarget(s, address, None, f"{origin}; no key file at {key_path} either: a "
                           "head makes its key when it starts")
