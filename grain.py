@@ -965,7 +965,8 @@ class Resource:
         # alloc() without the check, for the scheduler, which has just called request().
         if self.kind is not None and self.kind == req.kind:
             return self._alloc(req)
-        have, wants = self._parts(), req._parts()
+        have = self._parts()
+        wants = req._parts()
         out = {}
         if "Gpus" in wants and "Cores" in wants:  # cores close to the job's GPUs, if known
             out["Gpus"] = gpus = have["Gpus"]._alloc(wants["Gpus"])
@@ -1047,7 +1048,8 @@ class Resource:
     def __eq__(self, other):
         if not isinstance(other, Resource):
             return NotImplemented
-        a, b = self._parts(), other._parts()
+        a = self._parts()
+        b = other._parts()
         if a.keys() != b.keys():
             return False
         try:
@@ -1289,7 +1291,8 @@ class Cores(Resource):
         return res.N <= self.N
 
     def _alloc(self, res):
-        n, ids = res.N, self._ids if self._ids is not None else self._id_list()
+        n = res.N
+        ids = self._ids if self._ids is not None else self._id_list()
         taken = ids[:n]
         del ids[:n]
         self.N -= n
@@ -1310,7 +1313,8 @@ class Cores(Resource):
         self.N = len(ids)
 
     def _claim(self, res):
-        ids, taken = self._id_list(), set(res._id_list())
+        ids = self._id_list()
+        taken = set(res._id_list())
         ids[:] = [i for i in ids if i not in taken]
         self.N = len(ids)
 
@@ -1590,7 +1594,8 @@ class _GroupTimes:
         runs = self.samples.setdefault(group, [])
         runs.append(seconds)
         if len(runs) >= GROUP_SAMPLES:
-            mean, sd = _statistics.mean(runs), _statistics.stdev(runs)
+            mean = _statistics.mean(runs)
+            sd = _statistics.stdev(runs)
             self.limits[group] = (mean + 5 * sd, mean + 2 * sd)
             del self.samples[group]
             log.info("WTime group %r: estimated T=%.1fs softT=%.1fs from %d runs",
@@ -2699,7 +2704,8 @@ async def _try_connect(urls, key, head=None, theirs=None, timeout=EDGE_CONNECT_S
                 why = f"{e}"
                 await stream.aclose()
                 if head and isinstance(e, KeyMismatch):  # it answered: so would its other URLs
-                    theirs, mine = theirs or "the head's key file", getattr(key, "path", None)
+                    theirs = theirs or "the head's key file"
+                    mine = getattr(key, "path", None)
                     raise KeyMismatch(f"the head at {head} holds another key: " + (
                         f"copy {theirs} to {mine}" if theirs != mine else
                         f"{mine} was made again after the head started: restart the head"))
@@ -3540,7 +3546,8 @@ def job_env(env=None, res=None):
     res = _RES.get() if res is None else res
     if res is None:
         return env
-    cores, gpus = _part(res, "Cores"), _part(res, "Gpus")
+    cores = _part(res, "Cores")
+    gpus = _part(res, "Gpus")
     if cores is not None and cores.N:
         env.update(dict.fromkeys(THREAD_VARIABLES, str(cores.N)))
     if gpus is not None and gpus.ids is not None:
@@ -4235,7 +4242,8 @@ class Config:
 
     def role(self, role):
         """The settings of ``role`` ("head" or "worker"), every override applied."""
-        top, sect = self.raw, self.raw.get(role, {})
+        top = self.raw
+        sect = self.raw.get(role, {})
         values = dict(_ROLE_DEFAULTS[role])
         values.update({k: v for k, v in top.items() if k not in _SUBTABLES[""]})
         values.update({k: v for k, v in sect.get("gnaw", {}).items()
@@ -4257,7 +4265,9 @@ class Config:
 
 def _check_table(data, table, path):
     """The keys of ``table`` in ``data``, checked, by their field's names."""
-    schema, subtables, out = _schema(table), _SUBTABLES.get(table, ()), {}
+    schema = _schema(table)
+    subtables = _SUBTABLES.get(table, ())
+    out = {}
     for k, value in data.items():
         name = f"{table}.{k}" if table else k
         if k in subtables:
@@ -4347,7 +4357,8 @@ def _directive_values(s, name, log):
     """What the directives of SYSTEMS name, from script settings ``s``; a falsy value is
     not asked for (the batch system's default applies)."""
     seconds = s.walltime
-    minutes, mb = math.ceil(seconds / 60), max(1, int(s.memory * 1024)) if s.memory else 0
+    minutes = math.ceil(seconds / 60)
+    mb = max(1, int(s.memory * 1024)) if s.memory else 0
     return dict(name=name, log=log, queue=s.queue, cores=s.cores, gpus=s.gpus, mb=mb,
                 slot_mb=mb and max(1, int(s.memory * 1024 / max(1, s.cores))),
                 time=seconds and format_walltime(seconds), minutes=minutes,
@@ -4887,7 +4898,8 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
             log.warning("%s; the batch system is busy: trying again in %g s", e, wait)
             time.sleep(wait)
     found = re.search(spec.get("job_id", r"([^\s;]+)(?:;\S*)?\s*$"), out)
-    batch_id, array = found.group(1) if found else "?", array_of(s, tasks)
+    batch_id = found.group(1) if found else "?"
+    array = array_of(s, tasks)
     name, log_file = job_name_and_log(s, when, seq)
     records = [{"id": array[1](batch_id, i) if array else batch_id, "system": s.system,
                 "role": role, "name": name, "script": path, "submitted": when,
@@ -6061,7 +6073,8 @@ def _now():
 
 def _size_key(res):
     """How large a provider is, for naming "the largest worker": (cores, memory)."""
-    c, m = _part(res, "Cores"), _part(res, "Memory")
+    c = _part(res, "Cores")
+    m = _part(res, "Memory")
     return (c._total if c else 0, m._total if m else 0)
 
 
@@ -6253,7 +6266,8 @@ class Scheduler:
         (backfill) later ones that fit while the oldest waits; returns how many started."""
         jobs = queue.jobs
         workers = self.workers
-        started, now = 0, self.clock()
+        started = 0
+        now = self.clock()
         while jobs and started != limit:
             job = jobs[0]
             req = job.req
@@ -6985,7 +6999,8 @@ class HeadService:
         """The alive file of the worker that registered with ``info``, if it touches one and
         keeps its jobs for a new head: in this head's folder for them (a worker names its
         file there, no other)."""
-        name, folder = info.get("alive"), alive_folder(self.listen)
+        name = info.get("alive")
+        folder = alive_folder(self.listen)
         if folder and isinstance(name, str) and re.fullmatch(r"[\w.-]+", name) and \
                 not name.startswith(".") and type(info.get("reattach")) in (int, float) and \
                 0 < info["reattach"] < 1e9:  # (a peer's word: checked before a finally uses it)
@@ -7500,7 +7515,8 @@ def _report_bars(ran, where, t0, end, x, h):
             while merge and k < len(js) and (js[k].started - stop) * x < 1:
                 stop = max(stop, js[k].ended or end)
                 k += 1
-            x0, w = (first.started - t0) * x, max((stop - first.started) * x, 0.5)
+            x0 = (first.started - t0) * x
+            w = max((stop - first.started) * x, 0.5)
             name = _callable_name(first.fn) if first.fn is not None else "?"
             if k - i > 1:
                 label = f"{k - i} jobs from {name}"
@@ -7541,7 +7557,8 @@ def _report_html(record, jobs, end, title):
     import html
     ran = [j for j in jobs if j.started is not None]
     t0 = min([record.t0] + [j.started for j in ran])
-    x, t = REPORT_WIDTH / max(end - t0, 1e-3), record.totals(jobs, end)
+    x = REPORT_WIDTH / max(end - t0, 1e-3)
+    t = record.totals(jobs, end)
     rows, where = _report_rows(record, ran)
     h = 10 if len(rows) <= 60 else max(1, 600 // len(rows))
     bars = _report_bars(ran, where, t0, end, x, h)
@@ -8232,7 +8249,8 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
     daemon for the address (started if none runs) unless it may not attach or asks for a
     head of its own: local resources (``rpw``), passive workers, ``[head.gnaw] enabled =
     false``, or a specialized worker type, whose jobs run in the mission."""
-    head, worker = cfg.role("head"), cfg.role("worker")
+    head = cfg.role("head")
+    worker = cfg.role("worker")
     address = head.listen if address is None else address
     if address:
         parse_url(address)
@@ -9107,7 +9125,8 @@ class SwarmKeeper:
         """Submit a worker job, or (script.array) an array job of ``short`` workers, as far
         as the quota and script.max_queued allow."""
         now = trio.current_time()  # (the quota's clock: steady, and a test's mock one)
-        wait, room = self.quota_wait(now), queue_room(self.settings, short, len(self.pending))
+        wait = self.quota_wait(now)
+        room = queue_room(self.settings, short, len(self.pending))
         if not room:
             self.note = f"max_queued reached: {len(self.pending)} worker job(s) queued"
             return
@@ -9116,7 +9135,9 @@ class SwarmKeeper:
                          f"{format_walltime(self.window)}; the next is allowed in "
                          f"{format_walltime(wait)}")
             return
-        s, when, short = self.settings, time.time(), min(room, self.quota - len(self.submitted))
+        s = self.settings
+        when = time.time()
+        short = min(room, self.quota - len(self.submitted))
         n = short if array_of(s, short) else 1  # one submission: an array job, or one job
         self.note = ""
         self.submitted.extend([now] * n)
@@ -9855,10 +9876,12 @@ def _cmd_head(args):
     if args.no_config and args.config:
         raise UsageError(f"-c {args.config} and --no-config: give one of them")
     cfg = load_config(False if args.no_config else args.config)
-    s, worker = cfg.role("head"), cfg.role("worker")
+    s = cfg.role("head")
+    worker = cfg.role("worker")
     if args.address:
         parse_url(args.address)
-        s, worker = replace(s, listen=args.address), replace(worker, dial=args.address)
+        s = replace(s, listen=args.address)
+        worker = replace(worker, dial=args.address)
     idle_quit = parse_duration(args.idle_quit, "--idle-quit") if args.idle_quit else None
     key = load_auth_key(args.key or s.auth_key or None, s.tls_cert, s.tls_key)
     gc.set_threshold(DAEMON_YOUNG_GC, *gc.get_threshold()[1:])  # (its process: no user code)
