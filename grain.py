@@ -5764,8 +5764,9 @@ class MissionResults:
 # and asks ``owner.function_bytes(fn)`` for a job function to send. A remote worker also
 # says ``owner.job_sent(job)`` before it sends a job, whose owner may give it the id its
 # worker is to know it by (one that may outlive this head: a store key's text, a
-# mission's token; or a number no other head gives), and hands ``owner.reunion`` what it
-# ran for an earlier head.
+# mission's token; or a number no other head gives), and tells it how the runs it came
+# back with (for an earlier head) end: ``owner.orphan_ended(w, wire, result)``, and
+# ``owner.orphan_adopted(job)`` when a job here takes one.
 # Worker is the interface every kind implements: LocalWorker runs jobs as
 # tasks of this process; RemoteWorker is a worker process at the other end of a Channel;
 # SpecializedWorker runs here the jobs of a worker process that keeps a server.
@@ -6704,7 +6705,12 @@ class HeadCore:
 
     def remove_worker(self, worker):
         self.scheduler.remove_worker(worker)
-        self.reunion.worker_left(worker)
+
+    def worker_gone(self, w):
+        """A worker process's connection ended: it leaves the Scheduler, then the Reunion
+        (which queues again the jobs whose results it was to send)."""
+        self.remove_worker(w)
+        self.reunion.worker_left(w)
 
     def worker_came_back(self, w, resume):
         """``w`` registered saying what it ran while it had no head (``resume``: wire ->
@@ -6964,7 +6970,7 @@ class HeadService:
             why = f"was dropped ({e})"
             log.warning("worker %s from %s %s", w.name, channel.peer, why)
         finally:
-            self.owner.remove_worker(w)
+            self.owner.worker_gone(w)
             if channel.silent:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
