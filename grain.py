@@ -3055,9 +3055,14 @@ class Channel:
         return data
 
     @property
+    def _input_waiting(self):
+        """Has input come that receive() has not handed out yet?"""
+        return bool(self._checked or self._frames._ready)
+
+    @property
     def flush_due(self):
         """Is output queued, and no input waiting that could add to it? Then send it now."""
-        return bool(self._out) and not (self._checked or self._frames._ready)
+        return bool(self._out) and not self._input_waiting
 
     async def dispatch_all(self, handlers, after_batch=None):
         """Dispatch every message to ``handlers`` until the peer closes the connection.
@@ -3068,8 +3073,8 @@ class Channel:
         switch a job for nothing."""
         try:
             while True:
-                if after_batch is not None and not (self._checked or self._frames._ready):
-                    after_batch()  # (no input waiting)
+                if after_batch is not None and not self._input_waiting:
+                    after_batch()
                 if self.flush_due:
                     await self.flush()
                 self._reader_flushes = False
