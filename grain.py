@@ -1844,6 +1844,23 @@ def outlives_head(wire):
     return type(wire) is str
 
 
+# A job's life, as data: in each state, the state each event takes it to. Only Job.change
+# moves a job: its state, and its attempts (the runs started; the number its error says).
+# An event its state does not allow is grain's own defect, raised as one.
+JOB_LIFE = {
+    "queued": {"start": "running",    # sent to a worker, or run here: one attempt more
+               # a worker came back running it, or with its result: a run already counted
+               # (one this head started), else one (for an earlier head)
+               "adopt": "running", "report": "running",
+               "requeue": "queued", "succeed": "done", "fail": "failed"},
+    # adopt, report: the worker it was held for (its connection gone) is back with it
+    "running": {"adopt": "running", "report": "running", "requeue": "queued",
+                "succeed": "done", "fail": "failed"},
+    "done": {},
+    "failed": {},
+}
+
+
 class Job:
     """One submitted job: a resource request, an async function and its arguments.
 
@@ -1899,6 +1916,17 @@ class Job:
 
     def done(self):
         return self.state == "done" or self.state == "failed"
+
+    def change(self, event):
+        """Move the job by ``event`` (see JOB_LIFE)."""
+        state = JOB_LIFE[self.state].get(event)
+        if state is None:
+            raise GrainError(f"job {self.name} cannot {event} when {self.state}")
+        if event == "start":
+            self.attempts += 1
+        elif state == "running":
+            self.attempts = self.attempts or 1
+        self.state = state
 
     async def wait_done(self):
         """Wait until the job has ended, without raising its error."""
@@ -5815,11 +5843,10 @@ class Worker:
         """``job`` runs here already, with ``alloc``: this worker came back to this head
         with it (see Reunion). ``now``: its start, for this head's totals (its duration is
         what the worker says)."""
-        job.state = "running"
+        job.change("adopt")
         job.alloc = alloc
         job.worker = self
         job.started = now
-        job.attempts += 1
         self.jobs[job.wire] = job
         self.busy.add(job)
 
@@ -6223,8 +6250,7 @@ class Scheduler:
         if w.orphans and job.wire in w.orphans:  # it runs there already
             w.adopt_orphan(job, self.clock() if now is None else now)
             return
-        job.state = "running"
-        job.attempts += 1
+        job.change("start")
         job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
         if job.group is not None:
             job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
@@ -6702,8 +6728,15 @@ class HeadCore:
         self.clock = self.scheduler.clock = trio.lowlevel.current_clock().current_time
         self.reunion = Reunion(self.deliver, clock=self.clock, claim=self.scheduler.claim)
         self._tasks = nursery
-        nursery.start_soon(self.reunion.run, push)
+        nursery.start_soon(self.reunion.run, functools.partial(self._queue_held, push))
         nursery.start_soon(warn_of_stuck_queues, self.scheduler)
+
+    @staticmethod
+    def _queue_held(push, job):
+        """A job the Reunion held for a worker that did not come back with it: queued again
+        (it may have been running here, held since its worker's connection went)."""
+        job.change("requeue")
+        push(job)
 
     def add_worker(self, worker):
         self.scheduler.add_worker(worker)
@@ -6784,7 +6817,6 @@ class HeadCore:
         but was not gone), only while it touches that; then interrupted as lost."""
         for job in jobs:
             self.scheduler.release(job)
-            job.attempts -= 1  # (counted again when the worker comes back with it)
             self.reunion.own_held[job.wire] = job
         self._tasks.start_soon(self._release_held, jobs, w, why, hold, alive)
 
@@ -6809,7 +6841,6 @@ class HeadCore:
         log.warning("worker %s: re-queueing its %d held job(s): %s", w.name, len(left), why_not)
         for job in left:
             del self.reunion.own_held[job.wire]
-            job.attempts += 1
             self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
         self.pump()
 
@@ -6819,10 +6850,10 @@ class HeadCore:
         run), it is queued again; else (its mission went away) it ends with no result."""
         self.scheduler.release(job)
         if self.may_retry(job):
-            job.state = "queued"
+            job.change("requeue")
             self.requeue(job)
         else:
-            job.state = "failed"
+            job.change("fail")
         self.pump()
 
     def job_sent(self, job):
@@ -6835,7 +6866,7 @@ class HeadCore:
             kind = kind or self.retries.class_of(error)
             if kind is not None and self.may_retry(job) and \
                     self.retries.again(job, kind, error, self.tally):
-                job.state = "queued"
+                job.change("requeue")
                 self.requeue(job)
                 self.pump()  # (a result a returning worker reported frees nothing else)
                 return
@@ -7820,7 +7851,6 @@ class GrainExecutor(HeadCore):
                 if self._remote and res is not ZERO:
                     self._prepare_payload(job)
             except Exception as e:
-                job.attempts = 0
                 self.complete(job, None, e)
                 return
             self._enqueue(job)
@@ -7888,7 +7918,7 @@ class GrainExecutor(HeadCore):
             self.stored.running(job)
 
     def deliver(self, job, ok, data, duration, kind):
-        job.attempts = job.attempts or 1  # (it ran, though maybe for another head)
+        job.change("report")
         if job.started is None:  # (it ran for the last head, and ended while there was none)
             job.started = _now() - duration
         job.duration = duration
@@ -7904,13 +7934,13 @@ class GrainExecutor(HeadCore):
     def complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
             job.value = value
-            job.state = "done"
+            job.change("succeed")
         else:
             self.retries.note(job, error, kind)
             if str(error).startswith(PAST_T):  # (said where its T passed: here is its name)
                 error.args = (f"job {job.name} {error}",)
             job.error = error
-            job.state = "failed"
+            job.change("fail")
             job.kind = kind = kind or failure_class(error)
         job.ended = self.clock()
         if self.stored is not None and job.attempts and type(job.wire) is not int:
@@ -7928,7 +7958,7 @@ class GrainExecutor(HeadCore):
         (not a retry: they may still be running; see MissionLink)."""
         for job in reversed(jobs):
             self.scheduler.release(job)
-            job.state = "queued"
+            job.change("requeue")
             self._queue(job, front=True)
 
     def fail_queued(self, why):
@@ -9256,7 +9286,7 @@ class HeadDaemon(HeadCore):
     def deliver(self, job, ok, data, duration, kind):
         """A job of a mission ended: count it and pass its result on, if the mission is
         still there."""
-        job.state = "done" if ok else "failed"
+        job.change("succeed" if ok else "fail")
         self.tally.ended(job.state, kind)
         m = job.queue
         if m.gone:

@@ -1073,6 +1073,32 @@ def test_a_node_job_reads_its_memory_from_gvar():
 ###############################################################################
 
 
+def test_a_job_moves_only_as_its_life_allows_and_counts_a_run_as_it_starts():
+    job = grain.Job(7, Cores(1), len, (), {})
+    job.change("start")
+    job.change("requeue")     # a retry: queued again, its first run counted
+    job.change("start")
+    assert (job.state, job.attempts) == ("running", 2)
+    job.change("adopt")       # its worker came back with this run: not a new one
+    job.change("report")
+    assert (job.state, job.attempts) == ("running", 2)
+    job.change("succeed")
+    assert job.done() and job.state == "done"
+    with pytest.raises(grain.GrainError, match=r"job #7 len cannot fail when done"):
+        job.change("fail")    # an outcome is delivered once
+    assert job.state == "done"
+    job = grain.Job(8, Cores(1), len, (), {})
+    with pytest.raises(grain.GrainError, match="cannot finish when queued"):
+        job.change("finish")  # no such event
+    job.change("report")      # the result of a run for an earlier head: one attempt
+    assert (job.state, job.attempts) == ("running", 1)
+    job = grain.Job(9, Cores(1), len, (), {})
+    job.change("adopt")       # a worker came back running it: a run this head never started
+    job.change("requeue")
+    job.change("fail")        # failed in the queue (its mission's head went): no run more
+    assert (job.state, job.attempts) == ("failed", 1)
+
+
 @trio_test
 async def test_job_past_its_T_fails_with_too_slow(autojump_clock):
     async def slow():
@@ -6519,6 +6545,14 @@ class Model:
                 self.away[i] = trio.current_time()
             self.runs[i][run][1] = fate
 
+    def check_attempts(self, job):
+        """A job ends counting as attempts the runs the head started (the number its error
+        says): a run it held while its worker was away, and adopted back, is one."""
+        i = job.args[0]
+        if job.attempts != len(self.runs[i]):
+            self.violated(f"job {i} ended counting {job.attempts} attempt(s), where the head "
+                          f"started {len(self.runs[i])} run(s) of it")
+
     def check_outcomes(self):
         for i in self.script.jobs:
             if self.completed[i] != 1:
@@ -6667,6 +6701,7 @@ def _play(script, seed):
 
                     def counted(job, *rest):
                         model.completed[job.args[0]] += 1
+                        model.check_attempts(job)
                         return complete(job, *rest)
                     exer.complete = counted
                     job_sent = exer.job_sent
