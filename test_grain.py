@@ -6246,10 +6246,11 @@ def test_a_mission_its_own_head_run_again_starts_at_once_what_no_worker_comes_ba
 # Seeded sequences of events played against a real GrainExecutor and its HeadService on
 # virtual time: workers join, run jobs, drop their connection, fall silent or leave, and
 # come back with the runs they kept and the results those gave meanwhile; each run a
-# worker is sent meets a fate drawn for it. Scripted workers (ModelWorker) speak the
-# worker protocol over memory streams; a Model records what happened and checks what the
-# head promises, as it goes and at the end. A failure names its seed and a script, made
-# smaller by deletion, that still fails.
+# worker is sent meets a fate drawn for it; the mission may be killed and run again, its
+# workers coming back to the new head with what the dead one had sent them. Scripted
+# workers (ModelWorker) speak the worker protocol over memory streams; a Model records
+# what happened and checks what the head promises, as it goes and at the end. A failure
+# names its seed and a script, made smaller by deletion, that still fails.
 
 
 class TemporaryTrouble(Exception):
@@ -6272,10 +6273,14 @@ class ModelScript:
     """One sequence: ``workers`` {name: (cores, reattach, joins at)}; ``jobs`` {job:
     submitted at}; ``fates`` {(job, run): (fate, after, back)}: that run of that job meets
     ``fate`` ``after`` seconds in (its worker, gone, comes back ``back`` seconds later if
-    it keeps its jobs; None: never). A run without a fate ends well after a second."""
+    it keeps its jobs; None: never). A run without a fate ends well after a second.
+    ``kill``: None, or (at, pause, backs): the mission is killed at ``at`` s and run again
+    ``pause`` s later (its jobs submitted again, as long after that as the first time);
+    a worker that keeps its jobs looks for a head ``backs[name]`` s after the kill."""
     workers: dict
     jobs: dict
     fates: dict
+    kill: tuple = None
 
     def without(self, part, key):
         return dataclasses.replace(self, **{part: {k: v for k, v in getattr(self, part).items()
@@ -6296,7 +6301,11 @@ def model_script(seed):
                 back = round(r.uniform(1, 60), 1) if fate in ("drop", "silent") and \
                     r.random() < 0.7 else None
                 fates[i, n] = (fate, round(r.uniform(0.5, 40), 1), back)
-    return ModelScript(workers, jobs, fates)
+    kill = None
+    if r.random() < 0.3:
+        kill = (round(r.uniform(1, 50), 1), round(r.uniform(0, 30), 1),
+                {name: round(r.uniform(0, 40), 1) for name in workers})
+    return ModelScript(workers, jobs, fates, kill)
 
 
 class ModelWorker:
@@ -6314,7 +6323,9 @@ class ModelWorker:
         self.stopping = set()      # wires of the runs the head told it to stop
         self.kept = []             # results got while away
         self.out = None            # what goes to the head (None: it is away)
+        self.tasks = None          # the nursery of its tasks (its head's are the model's)
         self.session = 0
+        self.head = None           # the instance of the head it registered with last
         self.silent = self.gone = False
 
     def serving(self, session):
@@ -6326,16 +6337,17 @@ class ModelWorker:
         self.model.nursery.start_soon(self.model.service.handle_connection, head_side,
                                       self.name)
         info = {"name": self.name, "res": self.res, "pid": self.pid, "reattach": self.reattach}
-        if self.session:
-            info["head"] = self.model.exer.instance
+        if self.head is not None:
+            info["head"] = self.head
             info["resume"] = {**dict.fromkeys(m[1] for m in self.kept),
                               **{wire: r[2] for wire, r in self.runs.items()}}
+        self.head = self.model.exer.instance
         self.session += 1
         self.model.sessions[head_side] = (self, self.session)
         self.silent = False
         self.out, receive = trio.open_memory_channel(math.inf)
         for task in (self._write, self._read):
-            self.model.nursery.start_soon(task, side, receive, self.session)
+            self.tasks.start_soon(task, side, receive, self.session)
         self.send(("register", info))
         kept, self.kept = self.kept, []
         for msg in kept:
@@ -6382,10 +6394,10 @@ class ModelWorker:
             wire, (args, _) = msg[1], grain.loads_job_value(msg[3])
             run = self.model.arrived(args[0], self, wire)
             if run is not None:
-                self.model.nursery.start_soon(self._run, wire, args[0], run, msg[4])
+                self.tasks.start_soon(self._run, wire, args[0], run, msg[4])
         elif msg[0] == "cancel" and msg[1] in self.runs:
             self.stopping.add(msg[1])
-            self.model.nursery.start_soon(self._stop, self.runs[msg[1]][3])
+            self.tasks.start_soon(self._stop, self.runs[msg[1]][3])
         elif msg[0] in ("fin", "leave"):
             self.gone = True
             self._hang_up()
@@ -6401,11 +6413,12 @@ class ModelWorker:
             self.out = None
 
     async def _run(self, wire, i, run, alloc):
+        model = self.model  # (the mission's that sent it, killed perhaps as it runs)
         fate, after, back = ("ok", 1.0, None) if self.rescue else \
-            self.model.script.fates.get((i, run), ("ok", 1.0, None))
+            model.script.fates.get((i, run), ("ok", 1.0, None))
         with trio.CancelScope() as scope:
             self.runs[wire] = (i, run, alloc, scope)
-            self.started[wire] = run
+            self.started[wire] = (model, run)
             await trio.sleep(after)
             if fate in ("drop", "silent", "leave"):
                 self.fall(fate, back)
@@ -6415,12 +6428,13 @@ class ModelWorker:
         self.stopping.discard(wire)
         if scope.cancelled_caught:
             if not self.gone:
-                self.model.ended(i, run, "stopped")
+                model.ended(i, run, "stopped")
                 self.send(("cancelled", wire))
             return
-        self.model.ended(i, run, fate)
-        value = ("job", i, "run", run) if fate == "ok" else \
-            ({"temporary": TemporaryTrouble, "raise": ValueError}[fate](f"{i}/{run}"), "")
+        model.ended(i, run, fate)
+        value = ("job", i, "run", run, model.mission) if fate == "ok" else \
+            ({"temporary": TemporaryTrouble, "raise": ValueError}[fate](
+                f"{i}/{model.mission}/{run}"), "")
         self.send(("done", wire, fate == "ok", grain.dumps_job_value(value, ""), after))
 
     def fall(self, how, back):
@@ -6436,7 +6450,7 @@ class ModelWorker:
         else:
             self._hang_up()
         if back is not None and self.reattach > 0 and how != "leave":
-            self.model.nursery.start_soon(self._come_back, back)
+            self.tasks.start_soon(self._come_back, back)
         else:
             self.gone = True
             for *_, scope in self.runs.values():
@@ -6446,14 +6460,38 @@ class ModelWorker:
         await trio.sleep(back)
         if not self.gone:
             self._hang_up()  # (a silent one's connection closes only now)
-            self.join()
+            if await self.head_up(self.reattach):
+                self.join()
+            else:  # no head came within its reattach: it leaves, stopping its runs
+                self.gone = True
+                for *_, scope in self.runs.values():
+                    scope.cancel()
+
+    async def head_up(self, within=math.inf):
+        """Wait for a head to serve (a mission run again starts one); False if none came."""
+        with trio.move_on_after(within):
+            while self.model.service is None:
+                await trio.sleep(grain.REATTACH_POLL_S)
+            return True
+        return False
+
+    def head_killed(self, model, back):
+        """Its head died without a goodbye: nothing it still sends arrives, and ``model``
+        is the mission run again. A worker that served it falls away as from a drop."""
+        serving = self.out is not None and not self.silent and not self.gone
+        self.session += 1
+        self.model = model
+        if serving:
+            self.fall("drop", back)
 
 
 class Model:
     """What happened to each job of a script, and the head's promises checked against it."""
 
-    def __init__(self, script):
+    def __init__(self, script, violations=None, mission=0):
         self.script = script
+        self.mission = mission     # 0, or 1: the mission run again after it was killed
+        self.exer = self.service = self.nursery = None  # (its head, once it runs)
         self.runs = {i: [] for i in script.jobs}    # job -> [worker, state] of each run
         self.current = {}          # job -> its run the head counts on (the last sent, or
         #                            one a worker came back with that the head adopted)
@@ -6464,7 +6502,7 @@ class Model:
         self.ends = {}             # (job, run) -> how it ended
         self.completed = Counter()  # job -> outcomes delivered
         self.outcomes = {}
-        self.violations = []
+        self.violations = [] if violations is None else violations
         self.steps = 0
         self.jobs = {}             # the head's number of a job submitted -> the job
         self.away = {}             # job -> since when no run of it was at a worker (None: one is)
@@ -6523,7 +6561,12 @@ class Model:
         that worker to stop, when the job's run elsewhere was lost meanwhile (the job runs
         again once it stopped, its outcome still its own)."""
         i, (worker, session) = job.args[0], self.sessions[w.channel.stream]
-        self.current[i] = run = worker.started[job.wire]
+        owner, run = worker.started[job.wire]
+        if owner is not self:
+            self.violated(f"job {i} took for its own a run on {worker.name} that the killed "
+                          "mission's head had sent")
+            return
+        self.current[i] = run
         fate = self.ends.get((i, run))  # (ended already: what it said is on its way)
         self.runs[i][run][1] = "stopping" if job.wire in worker.stopping or \
             fate == "stopped" else "live"
@@ -6561,15 +6604,17 @@ class Model:
             if kind == "waits":
                 self.violated(f"job {i} still waits at the end")
             elif kind == "value":
-                if ("ok", got[3]) not in self.gave[i] or got[:3] != ("job", i, "run"):
+                if ("ok", got[3]) not in self.gave[i] or got[:3] != ("job", i, "run") or \
+                        got[4] != self.mission:
                     self.violated(f"job {i} was given {got!r}, which no run of it gave")
             elif isinstance(got, grain.WorkerLostError):
                 if self.losses[i] <= MODEL_RETRIES:
                     self.violated(f"job {i} ended with {got!r} after {self.losses[i]} loss(es)")
             else:
                 fate = {TemporaryTrouble: "temporary", ValueError: "raise"}.get(type(got))
-                run = str(got).split("/")[-1]
-                if fate is None or not run.isdigit() or (fate, int(run)) not in self.gave[i]:
+                mission, run = (str(got).split("/") + ["", ""])[1:3]
+                if fate is None or mission != str(self.mission) or not run.isdigit() or \
+                        (fate, int(run)) not in self.gave[i]:
                     self.violated(f"job {i} ended with {got!r}, which no run of it raised")
 
     def status_disagrees(self, exer):
@@ -6650,7 +6695,7 @@ class _ModelWatch(trio.abc.Instrument):
             self.scope.cancel()
 
     def before_io_wait(self, timeout):
-        if trio.lowlevel.current_statistics().tasks_runnable == 0:
+        if self.exer is not None and trio.lowlevel.current_statistics().tasks_runnable == 0:
             why = self.model.waits_with_room(self.scheduler) or \
                 self.model.status_disagrees(self.exer)
             if why is not None and why not in {v.split(": ", 1)[1] for v in self.model.violations}:
@@ -6665,19 +6710,22 @@ class _ModelHearsWarnings(logging.Handler):
         self.model = model
 
     def emit(self, record):
+        if self.model is None:  # (between a mission's death and its run again)
+            return
         why = self.model.warning_disagrees(record.getMessage())
         if why is not None:
             self.model.violated(why)
 
 
 def _play(script, seed):
-    """Play ``script`` (trio's own choices seeded by ``seed``): its Model."""
-    model = Model(script)
+    """Play ``script`` (trio's own choices seeded by ``seed``): the Model of its last
+    mission (of the one killed too: its violations)."""
+    current = [Model(script)]  # the mission that runs, or is to run again
     if hasattr(trio._core._run, "_r"):  # (trio's private scheduling randomness, when it has one)
         trio._core._run._r.seed(seed)
     random.seed(seed)
 
-    async def outcome(job, i):
+    async def outcome(model, job, i):
         try:
             model.outcomes[i] = ("value", await job)
         except Exception as e:
@@ -6685,68 +6733,102 @@ def _play(script, seed):
 
     async def join_at(worker, at):
         await trio.sleep(at)
+        await worker.head_up()
         worker.join()
+
+    async def mission(model, start):
+        """One run of the mission: its head, and its jobs submitted as the script says
+        (from ``start``)."""
+        async with trio.open_nursery() as head_tasks:
+            async with grain.GrainExecutor(temporary_err=TemporaryTrouble,
+                                           max_retries=MODEL_RETRIES) as exer:
+                # Its jobs leave this process, as listen= would say, but without a
+                # socket: trio binds a Unix socket in a thread, and the virtual clock
+                # would jump ahead for as long as that takes.
+                exer._remote = True
+                complete = exer.complete
+
+                def counted(job, *rest):
+                    model.completed[job.args[0]] += 1
+                    model.check_attempts(job)
+                    return complete(job, *rest)
+                exer.complete = counted
+                job_sent = exer.job_sent
+
+                def sent(job):
+                    model.sent(job)
+                    return job_sent(job)
+                exer.job_sent = sent
+                model.exer, model.nursery = exer, head_tasks
+                model.service = grain.HeadService(exer, None, None)
+                watch.model, watch.scheduler, watch.exer = model, exer.scheduler, exer
+                hears.model = model
+                async with trio.open_nursery() as waiting:
+                    for i, at in sorted(script.jobs.items(), key=lambda item: item[1]):
+                        await trio.sleep_until(start + at)
+                        model.away[i] = start + at
+                        job = exer.submit(Cores(1), _model_job, i)
+                        model.jobs[job.id] = job
+                        waiting.start_soon(outcome, model, job, i)
+            head_tasks.cancel_scope.cancel()
+
+    async def kill(scope, workers):
+        """The mission dies at once, telling no one; the mission run again is ``current``."""
+        at, _, backs = script.kill
+        await trio.sleep_until(at)
+        first = current[0]
+        current[0] = again = Model(script, first.violations, mission=1)
+        first.violations = []  # (what the dying head does from now on is no one's concern)
+        watch.exer = hears.model = None
+        for w in workers:
+            w.head_killed(again, backs.get(w.name))
+        scope.cancel()
 
     async def main():
         with trio.move_on_after(MODEL_RESCUE_AT + grain.ORPHAN_WAIT_S + 200) as deadline:
             watch.scope = deadline
+            trio.lowlevel.add_instrument(watch)
             async with trio.open_nursery() as nursery:
-                async with grain.GrainExecutor(temporary_err=TemporaryTrouble,
-                                               max_retries=MODEL_RETRIES) as exer:
-                    # Its jobs leave this process, as listen= would say, but without a
-                    # socket: trio binds a Unix socket in a thread, and the virtual clock
-                    # would jump ahead for as long as that takes.
-                    exer._remote = True
-                    complete = exer.complete
-
-                    def counted(job, *rest):
-                        model.completed[job.args[0]] += 1
-                        model.check_attempts(job)
-                        return complete(job, *rest)
-                    exer.complete = counted
-                    job_sent = exer.job_sent
-
-                    def sent(job):
-                        model.sent(job)
-                        return job_sent(job)
-                    exer.job_sent = sent
-                    model.exer, model.nursery = exer, nursery
-                    model.service = grain.HeadService(exer, None, None)
-                    watch.scheduler, watch.exer = exer.scheduler, exer
-                    trio.lowlevel.add_instrument(watch)
-                    for n, (name, (cores, reattach, at)) in enumerate(script.workers.items()):
-                        nursery.start_soon(join_at, ModelWorker(model, name, cores, reattach,
-                                                                100 + n), at)
-                    rescue = ModelWorker(model, "rescue", 2, 0.0, 99, rescue=True)
-                    nursery.start_soon(join_at, rescue, MODEL_RESCUE_AT)
-                    async with trio.open_nursery() as waiting:
-                        for i, at in sorted(script.jobs.items(), key=lambda item: item[1]):
-                            await trio.sleep_until(at)
-                            model.away[i] = at
-                            job = exer.submit(Cores(1), _model_job, i)
-                            model.jobs[job.id] = job
-                            waiting.start_soon(outcome, job, i)
+                workers = [ModelWorker(current[0], name, cores, reattach, 100 + n)
+                           for n, (name, (cores, reattach, _)) in enumerate(script.workers.items())]
+                workers.append(ModelWorker(current[0], "rescue", 2, 0.0, 99, rescue=True))
+                for w, at in zip(workers, [*(v[2] for v in script.workers.values()),
+                                           MODEL_RESCUE_AT]):
+                    w.tasks = nursery
+                    nursery.start_soon(join_at, w, at)
+                with trio.CancelScope() as first:
+                    async with trio.open_nursery() as dying:
+                        if script.kill is not None:
+                            dying.start_soon(kill, first, workers)
+                        await mission(current[0], 0.0)
+                        dying.cancel_scope.cancel()  # (it ended before its death)
+                if first.cancelled_caught:
+                    at, pause, _ = script.kill
+                    await trio.sleep_until(at + pause)
+                    await mission(current[0], at + pause)
                 nursery.cancel_scope.cancel()
-        if deadline.cancelled_caught and model.steps < MODEL_STEPS:
-            model.violated("the sequence did not end")
-        model.check_outcomes()
+        if deadline.cancelled_caught and current[0].steps < MODEL_STEPS:
+            current[0].violated("the sequence did not end")
+        current[0].check_outcomes()
 
     def adopt(w, job, alloc, now):
-        model.adopted(job, w)
+        current[0].adopted(job, w)
         return grain.Worker.adopt(w, job, alloc, now)
 
-    watch, hears = _ModelWatch(model, None), _ModelHearsWarnings(model)
+    watch, hears = _ModelWatch(current[0], None), _ModelHearsWarnings(current[0])
     grain.log.addHandler(hears)
     try:
         with unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt):
             trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         grain.log.removeHandler(hears)
-    return model
+    return current[0]
 
 
 def _smallest_failing(script, seed):
     """``script`` made smaller, one worker, job or fate at a time, while it still fails."""
+    if script.kill is not None and _play(dataclasses.replace(script, kill=None), seed).violations:
+        script = dataclasses.replace(script, kill=None)  # (it fails without the kill too)
     smaller = True
     while smaller:
         smaller = False
@@ -6759,12 +6841,13 @@ def _smallest_failing(script, seed):
 
 
 def test_the_head_keeps_its_promises_over_seeded_sequences_of_events():
-    # The head's promises, over seeded sequences of joins, losses, returns and fates (see
-    # Model): a job runs again only after its run was lost or failed with a retried
-    # class; its outcome reaches its caller exactly once and is what a run of it gave (a
-    # WorkerLostError only after more losses than its retries); no job waits while a
-    # worker has room for it; the status line and the warnings say what happened; no loop
-    # spins; every sequence ends. GRAIN_MODEL_SEQUENCES plays more (or fewer).
+    # The head's promises, over seeded sequences of joins, losses, returns, fates and a
+    # mission killed and run again (see Model): a job runs again only after its run was
+    # lost or failed with a retried class; its outcome reaches its caller exactly once and
+    # is what a run of it gave, for this run of the mission (a WorkerLostError only after
+    # more losses than its retries), counting as attempts the runs its head started; no
+    # job waits while a worker has room for it; the status line and the warnings say what
+    # happened; no loop spins; every sequence ends. GRAIN_MODEL_SEQUENCES plays more.
     sequences = int(os.environ.get("GRAIN_MODEL_SEQUENCES", "10000"))
     for seed in range(sequences):
         model = _play(model_script(seed), seed)
