@@ -1870,12 +1870,15 @@ class Job:
 
     __slots__ = ("id", "req", "fn", "args", "kwargs", "T", "group", "attempts", "failures",
                  "alloc", "worker", "value", "error", "state", "observed", "_event",
-                 "duration", "payload", "queue", "ref", "wire", "submitted", "started",
-                 "ended", "kind")
+                 "duration", "payload", "queue", "ref", "wire", "key", "submitted",
+                 "started", "ended", "kind")
 
     def __init__(self, jid, req, fn, args, kwargs, queue=None):
         self.id = jid
-        self.wire = jid        # how workers know it: its store key#n when it has one
+        # How workers know it: a number of this head's, or text that outlives the head (see
+        # outlives_head): its store key's, once a worker or a resume needs it.
+        self.wire = jid
+        self.key = None        # its results store key, (material, n) or its text, if any
         self.queue = queue     # the JobQueue it waits in (one per mission)
         self.ref = None        # on a head daemon: the mission's own id for it
         self.req = req
@@ -5684,9 +5687,9 @@ class _FunctionKeys(dict):
 
 
 class MissionResults:
-    """A mission's use of its results store: it keys each job with resources (``job.wire``
-    becomes ``key#n``, the n-th job of that key in this run: its key in the store and on
-    the workers), answers whether its result is stored (``known``), records results, and
+    """A mission's use of its results store: it keys each job with resources (``job.key``:
+    the n-th job of that key in this run, whose text ``key#n`` is its ``wire`` on the
+    workers, and in the store), answers whether its result is stored (``known``), records results, and
     writes them every STORE_FLUSH_S (``keep``)."""
 
     def __init__(self, path, rerun_failed=True):
@@ -5715,11 +5718,11 @@ class MissionResults:
         # The n-th job of a key in a run is stored as such: a mission that draws 100
         # samples with the same call gets its 100 results back, not one of them 100 times.
         n = self._counts[material] = self._counts.get(material, -1) + 1
+        job.key = (material, n)
         store = self.store
         if not store.states and not store.crashed:  # a new store: nothing to find
-            job.wire = (material, n)  # (its text, when a worker process or the store needs it)
-            return None
-        job.wire = wire = _key_text((material, n))
+            return None  # (the key's text is made when a worker or the store needs it)
+        job.key = job.wire = wire = _key_text(job.key)  # (the text: as the entries are)
         state = store.states.get(wire)
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
@@ -5729,7 +5732,7 @@ class MissionResults:
         """Remember that ``job`` goes to a worker process (it may outlive this run, which
         knows it by its key's text): it is stored as "running" at the next write, unless it
         has ended by then."""
-        job.wire = _key_text(job.wire)
+        job.wire = _key_text(job.key)
         self._sent[job.wire] = job
         if job.worker.ident and job.worker.ident not in self.store.workers:
             with contextlib.suppress(OSError):  # (a full disk costs a resume a hold, not a job)
@@ -5755,7 +5758,7 @@ class MissionResults:
         if self._sent:  # (jobs in worker processes only)
             self._sent.pop(job.wire, None)
         name = self._functions[job.fn][1]
-        self.store.record(job.wire, name, "done" if error is None else "failed", data,
+        self.store.record(job.key, name, "done" if error is None else "failed", data,
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration, None if error is None else job.call)
 
@@ -7912,10 +7915,10 @@ class GrainExecutor(HeadCore):
             await self._workers_changed.wait()
 
     def job_sent(self, job):
-        if job.wire == job.id:  # its number, made this head's as it goes (queued, the job
-            job.wire += self._wire_base  # shares one int for both: 36 bytes fewer)
-        elif self.stored is not None:
+        if job.key is not None:
             self.stored.running(job)
+        elif job.wire == job.id:  # its number, made this head's as it goes (queued, the job
+            job.wire += self._wire_base  # shares one int for both: 36 bytes fewer)
 
     def deliver(self, job, ok, data, duration, kind):
         job.change("report")
@@ -7943,7 +7946,7 @@ class GrainExecutor(HeadCore):
             job.change("fail")
             job.kind = kind = kind or failure_class(error)
         job.ended = self.clock()
-        if self.stored is not None and job.attempts and type(job.wire) is not int:
+        if job.key is not None and job.attempts:
             self.stored.record(job, value, error, kind, pickled)
         if not _asks_nothing(job.req):
             self.tally.ended(job.state, kind)
