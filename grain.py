@@ -1922,9 +1922,10 @@ class Job:
 
     def change(self, event):
         """Move the job by ``event`` (see JOB_LIFE)."""
-        state = JOB_LIFE[self.state].get(event)
-        if state is None:
-            raise GrainError(f"job {self.name} cannot {event} when {self.state}")
+        try:
+            state = JOB_LIFE[self.state][event]
+        except KeyError:
+            raise GrainError(f"job {self.name} cannot {event} when {self.state}") from None
         if event == "start":
             self.attempts += 1
         elif state == "running":
