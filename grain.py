@@ -1846,14 +1846,13 @@ def outlives_head(wire):
 
 # A job's life, as data: in each state, the state each event takes it to. Only Job.change
 # moves a job: its state, and its attempts (the runs started; the number its error says).
-# An event its state does not allow is grain's own defect, raised as one.
+# An event its state does not allow is grain's own defect, raised as one. ``start``: it is
+# sent to a worker or run here, one attempt more. ``adopt``, ``report``: a worker came back
+# running it, or with its result; a run counted already, or (it ran for an earlier head)
+# one. A running job meets them when the worker it was held for is back with it.
 JOB_LIFE = {
-    "queued": {"start": "running",    # sent to a worker, or run here: one attempt more
-               # a worker came back running it, or with its result: a run already counted
-               # (one this head started), else one (for an earlier head)
-               "adopt": "running", "report": "running",
+    "queued": {"start": "running", "adopt": "running", "report": "running",
                "requeue": "queued", "succeed": "done", "fail": "failed"},
-    # adopt, report: the worker it was held for (its connection gone) is back with it
     "running": {"adopt": "running", "report": "running", "requeue": "queued",
                 "succeed": "done", "fail": "failed"},
     "done": {},
@@ -5690,8 +5689,8 @@ class _FunctionKeys(dict):
 class MissionResults:
     """A mission's use of its results store: it keys each job with resources (``job.key``:
     the n-th job of that key in this run, whose text ``key#n`` is its ``wire`` on the
-    workers, and in the store), answers whether its result is stored (``known``), records results, and
-    writes them every STORE_FLUSH_S (``keep``)."""
+    workers, and in the store), answers whether its result is stored (``known``), records
+    results, and writes them every STORE_FLUSH_S (``keep``)."""
 
     def __init__(self, path, rerun_failed=True):
         self.store = ResultStore(path)

@@ -6590,7 +6590,7 @@ class Model:
 
     def check_attempts(self, job):
         """A job ends counting as attempts the runs the head started (the number its error
-        says): a run it held while its worker was away, and adopted back, is one."""
+        says): a run a worker came back with, and the head adopted again, is one."""
         i = job.args[0]
         if job.attempts != len(self.runs[i]):
             self.violated(f"job {i} ended counting {job.attempts} attempt(s), where the head "
@@ -6789,8 +6789,8 @@ def _play(script, seed):
             watch.scope = deadline
             trio.lowlevel.add_instrument(watch)
             async with trio.open_nursery() as nursery:
-                workers = [ModelWorker(current[0], name, cores, reattach, 100 + n)
-                           for n, (name, (cores, reattach, _)) in enumerate(script.workers.items())]
+                workers = [ModelWorker(current[0], name, cores, reattach, 100 + n) for n, (
+                    name, (cores, reattach, _)) in enumerate(script.workers.items())]
                 workers.append(ModelWorker(current[0], "rescue", 2, 0.0, 99, rescue=True))
                 for w, at in zip(workers, [*(v[2] for v in script.workers.values()),
                                            MODEL_RESCUE_AT]):
