@@ -1999,18 +1999,23 @@ class Retries:
             return False
         failures[kind] = failures.get(kind, 0) + 1
         tally.retried(kind)
-        log.warning("job %s failed with %s (%s, attempt %d); retrying",
-                    job.call, f"{type(error).__name__}: {error}", kind, job.attempts)
+        log.warning("job %s failed with %s (%s); retrying (%d of %d)", job.call,
+                    f"{type(error).__name__}: {error}", kind, failures[kind], self.budgets[kind])
         return True
 
     def note(self, job, error, kind):
         """Say on the final error which job it was, with its arguments (a head daemon, which
-        knows none, when it retried it), and how many attempts were made."""
-        retried = kind is not None and job.attempts > 1
-        if retried or job.args is not None:
+        knows none, when it retried it), the runs started and the retries spent (they
+        differ when a worker came back with the run it was lost with: one run, retried),
+        and the class that ended it if it could have been retried."""
+        retries = sum(job.failures.values()) if job.failures else 0
+        if retries or job.args is not None:
+            runs = job.attempts
             add_note(error, f"grain: job {job.call} failed" + (
-                f" after {job.attempts} attempts ({kind}, {self.budgets[kind]} retries "
-                "allowed)" if retried else ""))
+                f" after {runs} attempt{'s' * (runs != 1)}" +
+                (f" and {retries} retries" if runs != retries + 1 else "") +
+                (f" ({kind}, {self.budgets[kind]} retries allowed)" if kind else "")
+                if retries else ""))
 
 
 NO_KWARGS = types.MappingProxyType({})

@@ -6276,15 +6276,19 @@ class ModelScript:
     it keeps its jobs; None: never). A run without a fate ends well after a second.
     ``kill``: None, or (at, pause, backs): the mission is killed at ``at`` s and run again
     ``pause`` s later (its jobs submitted again, as long after that as the first time);
-    a worker that keeps its jobs looks for a head ``backs[name]`` s after the kill."""
+    a worker that keeps its jobs looks for a head ``backs[name]`` s after the kill.
+    ``relayed``: the workers met through a bridge (a head holds their runs a while when
+    their connection closes: their bridge may have gone, not they)."""
     workers: dict
     jobs: dict
     fates: dict
     kill: tuple = None
+    relayed: frozenset = frozenset()
 
     def without(self, part, key):
-        return dataclasses.replace(self, **{part: {k: v for k, v in getattr(self, part).items()
-                                                   if k != key}})
+        smaller = dataclasses.replace(self, **{part: {
+            k: v for k, v in getattr(self, part).items() if k != key}})
+        return dataclasses.replace(smaller, relayed=smaller.relayed - {key})
 
 
 def model_script(seed):
@@ -6305,7 +6309,8 @@ def model_script(seed):
     if r.random() < 0.3:
         kill = (round(r.uniform(1, 50), 1), round(r.uniform(0, 30), 1),
                 {name: round(r.uniform(0, 40), 1) for name in workers})
-    return ModelScript(workers, jobs, fates, kill)
+    relayed = frozenset(name for name in workers if r.random() < 0.3)
+    return ModelScript(workers, jobs, fates, kill, relayed)
 
 
 class ModelWorker:
@@ -6334,6 +6339,8 @@ class ModelWorker:
 
     def join(self):
         head_side, side = trio.testing.memory_stream_pair()
+        if self.name in self.model.script.relayed:
+            head_side.via = "relayed through bridge model:1"
         self.model.nursery.start_soon(self.model.service.handle_connection, head_side,
                                       self.name)
         info = {"name": self.name, "res": self.res, "pid": self.pid, "reattach": self.reattach}
@@ -6497,6 +6504,7 @@ class Model:
         #                            one a worker came back with that the head adopted)
         self.free = dict.fromkeys(script.jobs, False)  # may it run again?
         self.losses = Counter()    # job -> its latest runs lost (their worker went)
+        self.retried = Counter()   # job -> the retries the head's warnings announced
         self.sessions = {}         # the head's side of a connection -> (worker, session)
         self.gave = {i: set() for i in script.jobs}  # job -> (fate, run) of its runs' ends
         self.ends = {}             # (job, run) -> how it ended
@@ -6596,11 +6604,25 @@ class Model:
             self.violated(f"job {i} ended counting {job.attempts} attempt(s), where the head "
                           f"started {len(self.runs[i])} run(s) of it")
 
+    def check_note(self, i, error):
+        """A job's error says the runs its head started and, when they differ, the retries
+        it announced (a worker that came back with the run it was lost with: one run,
+        retried)."""
+        runs, retried = len(self.runs[i]), self.retried[i]
+        said = re.search(r"after (\d+) attempts?(?: and (\d+) retries)?( \(|$)",
+                         "\n".join(getattr(error, "__notes__", ())), re.M)
+        expected = None if not retried else (runs, None if runs == retried + 1 else retried)
+        if (said and (int(said[1]), said[2] and int(said[2]))) != expected:
+            self.violated(f"job {i}'s error says {said and said[0]!r}, where the head "
+                          f"started {runs} run(s) of it and announced {retried} retries")
+
     def check_outcomes(self):
         for i in self.script.jobs:
             if self.completed[i] != 1:
                 self.violated(f"job {i}'s outcome was delivered {self.completed[i]} times")
             kind, got = self.outcomes.get(i, ("waits", None))
+            if kind == "error":
+                self.check_note(i, got)
             if kind == "waits":
                 self.violated(f"job {i} still waits at the end")
             elif kind == "value":
@@ -6649,6 +6671,9 @@ class Model:
         """A warning against what happened: a job retried as its worker went was running
         there (the run the head counted on), and a job a stuck queue's warning names had no
         run at a worker for as long as it says."""
+        m = re.match(r"job #(\d+) .*; retrying \(\d+ of \d+\)$", text)
+        if m is not None:
+            self.retried[self.jobs[int(m.group(1))].args[0]] += 1
         m = re.match(r"job #(\d+) .* failed with Worker(?:Lost|Retired)Error: job #\d+ \S+ "
                      r"was running on worker (\S+), which", text)
         if m is not None:
@@ -6703,7 +6728,9 @@ class _ModelWatch(trio.abc.Instrument):
 
 
 class _ModelHearsWarnings(logging.Handler):
-    """Checks each warning of grain's, as it is given, against what happened."""
+    """Checks each warning of grain's, as it is given, against what happened; an error
+    logged is a violation (the head's handlers catch a defect such as a move a job's life
+    refuses, drop the worker or fail the job, and only say so)."""
 
     def __init__(self, model):
         super().__init__(logging.WARNING)
@@ -6711,6 +6738,11 @@ class _ModelHearsWarnings(logging.Handler):
 
     def emit(self, record):
         if self.model is None:  # (between a mission's death and its run again)
+            return
+        if record.levelno >= logging.ERROR:
+            error = record.exc_info[1] if record.exc_info else None
+            self.model.violated(f"grain logged an error: {record.getMessage()}" +
+                                (f" ({type(error).__name__}: {error})" if error else ""))
             return
         why = self.model.warning_disagrees(record.getMessage())
         if why is not None:
@@ -6780,6 +6812,7 @@ def _play(script, seed):
         current[0] = again = Model(script, first.violations, mission=1)
         first.violations = []  # (what the dying head does from now on is no one's concern)
         watch.exer = hears.model = None
+        watch.model = again  # (a loop that spins from now on is the run again's)
         for w in workers:
             w.head_killed(again, backs.get(w.name))
         scope.cancel()
@@ -6829,6 +6862,9 @@ def _smallest_failing(script, seed):
     """``script`` made smaller, one worker, job or fate at a time, while it still fails."""
     if script.kill is not None and _play(dataclasses.replace(script, kill=None), seed).violations:
         script = dataclasses.replace(script, kill=None)  # (it fails without the kill too)
+    if script.relayed and _play(dataclasses.replace(script, relayed=frozenset()),
+                                seed).violations:
+        script = dataclasses.replace(script, relayed=frozenset())
     smaller = True
     while smaller:
         smaller = False
