@@ -1931,6 +1931,14 @@ class Job:
             self.attempts = self.attempts or 1
         self.state = state
 
+    def name_on_wire(self, text):
+        """Be known to workers by ``text`` from now on: the job outlives its head (see
+        outlives_head), and a new head claims it by that name. The only other value a
+        wire id has is the head's own number, given at birth."""
+        if type(text) is not str:
+            raise GrainError(f"job {self.name}: a wire name is text, not {text!r}")
+        self.wire = text
+
     async def wait_done(self):
         """Wait until the job has ended, without raising its error."""
         if self.state != "done" and self.state != "failed":
@@ -5727,7 +5735,8 @@ class MissionResults:
         store = self.store
         if not store.states and not store.crashed:  # a new store: nothing to find
             return None  # (the key's text is made when a worker or the store needs it)
-        job.key = job.wire = wire = _key_text(job.key)  # (the text: as the entries are)
+        job.key = wire = _key_text(job.key)  # (the text: as the entries are)
+        job.name_on_wire(wire)
         state = store.states.get(wire)
         if state == "done" or (state == "failed" and not self.rerun_failed):
             return "stored"
@@ -5737,7 +5746,7 @@ class MissionResults:
         """Remember that ``job`` goes to a worker process (it may outlive this run, which
         knows it by its key's text): it is stored as "running" at the next write, unless it
         has ended by then."""
-        job.wire = _key_text(job.key)
+        job.name_on_wire(_key_text(job.key))
         self._sent[job.wire] = job
         if job.worker.ident and job.worker.ident not in self.store.workers:
             with contextlib.suppress(OSError):  # (a full disk costs a resume a hold, not a job)
@@ -9346,7 +9355,7 @@ class HeadDaemon(HeadCore):
             raise PeerError(f"job {ref!r}: unknown function or no resource request")
         job = Job(next(self._ids), req, fn, None, None, m)
         job.ref = ref
-        job.wire = f"{m.token}/{ref}"
+        job.name_on_wire(f"{m.token}/{ref}")
         job.payload = payload
         self.heap.freeze(job)
         if not (resumed and self.reunion.offer(job, hold=True)):

@@ -1097,6 +1097,11 @@ def test_a_job_moves_only_as_its_life_allows_and_counts_a_run_as_it_starts():
     job.change("requeue")
     job.change("fail")        # failed in the queue (its mission's head went): no run more
     assert (job.state, job.attempts) == ("failed", 1)
+    assert not grain.outlives_head(job.wire)  # its head's number, till it is named
+    job.name_on_wire("3f2a#0")
+    assert grain.outlives_head(job.wire)
+    with pytest.raises(grain.GrainError, match=r"job #9 len: a wire name is text, not \('k', 0\)"):
+        job.name_on_wire(("k", 0))  # (a store key's pair: its text goes to workers)
 
 
 @trio_test
