@@ -6283,12 +6283,14 @@ class ModelScript:
     ``pause`` s later (its jobs submitted again, as long after that as the first time);
     a worker that keeps its jobs looks for a head ``backs[name]`` s after the kill.
     ``relayed``: the workers met through a bridge (a head holds their runs a while when
-    their connection closes: their bridge may have gone, not they)."""
+    their connection closes: their bridge may have gone, not they). ``store``: the mission
+    keeps a results store, which its run again resumes from."""
     workers: dict
     jobs: dict
     fates: dict
     kill: tuple = None
     relayed: frozenset = frozenset()
+    store: bool = False
 
     def without(self, part, key):
         smaller = dataclasses.replace(self, **{part: {
@@ -6315,7 +6317,7 @@ def model_script(seed):
         kill = (round(r.uniform(1, 50), 1), round(r.uniform(0, 30), 1),
                 {name: round(r.uniform(0, 40), 1) for name in workers})
     relayed = frozenset(name for name in workers if r.random() < 0.3)
-    return ModelScript(workers, jobs, fates, kill, relayed)
+    return ModelScript(workers, jobs, fates, kill, relayed, r.random() < 0.5)
 
 
 class ModelWorker:
@@ -6497,10 +6499,18 @@ class ModelWorker:
             self.fall("drop", back)
 
 
+def _mission_of(value, error):
+    """The mission whose run gave an outcome (None: the head made it, as a lost worker's)."""
+    if error is None:
+        return value[4] if type(value) is tuple and len(value) == 5 else None
+    parts = str(error).split("/")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
 class Model:
     """What happened to each job of a script, and the head's promises checked against it."""
 
-    def __init__(self, script, violations=None, mission=0):
+    def __init__(self, script, violations=None, mission=0, killed=None):
         self.script = script
         self.mission = mission     # 0, or 1: the mission run again after it was killed
         self.exer = self.service = self.nursery = None  # (its head, once it runs)
@@ -6508,17 +6518,29 @@ class Model:
         self.current = {}          # job -> its run the head counts on (the last sent, or
         #                            one a worker came back with that the head adopted)
         self.free = dict.fromkeys(script.jobs, False)  # may it run again?
+        self.gave = {i: set() for i in script.jobs}  # job -> (fate, run) of its runs' ends
+        self.ends = {}             # (job, run) -> how it ended
+        self.killed = None         # the killed mission's Model, when this one resumes it
+        self.stored = {}           # job -> the value its store entry held at the kill
+        if killed is not None and script.store:  # (its jobs and their runs go on here,
+            self.killed, self.stored = killed, killed.stored  # ending as they may)
+            self.runs, self.current, self.gave, self.ends, self.free = (
+                killed.runs, killed.current, killed.gave, killed.ends, killed.free)
+            self.free.update(dict.fromkeys(script.jobs, True))  # (what was not stored may run)
+        self.sends = Counter()     # job -> runs this mission's head sent
+        self.inherited = set()     # jobs whose first run it counted was the killed one's
         self.losses = Counter()    # job -> its latest runs lost (their worker went)
         self.retried = Counter()   # job -> the retries the head's warnings announced
         self.sessions = {}         # the head's side of a connection -> (worker, session)
-        self.gave = {i: set() for i in script.jobs}  # job -> (fate, run) of its runs' ends
-        self.ends = {}             # (job, run) -> how it ended
         self.completed = Counter()  # job -> outcomes delivered
+        self.attempts = {}         # job -> the attempts it counted as it ended
         self.outcomes = {}
         self.violations = [] if violations is None else violations
         self.steps = 0
         self.jobs = {}             # the head's number of a job submitted -> the job
         self.away = {}             # job -> since when no run of it was at a worker (None: one is)
+        if self.killed is not None:
+            self.away = killed.away
 
     def violated(self, text):
         self.violations.append(f"at {trio.current_time():.1f} s: {text}")
@@ -6533,6 +6555,9 @@ class Model:
                           f"{n} on {runs[n][0]} was neither lost nor failed to retry")
         if i in self.outcomes:
             self.violated(f"job {i} was sent to {worker.name} after its outcome was delivered")
+        if i in self.stored:
+            self.violated(f"job {i} was sent to {worker.name}, its result stored")
+        self.sends[i] += 1
         self.free[i] = False
         self.away[i] = None
         runs.append([worker.name, "sent"])
@@ -6575,10 +6600,12 @@ class Model:
         again once it stopped, its outcome still its own)."""
         i, (worker, session) = job.args[0], self.sessions[w.channel.stream]
         owner, run = worker.started[job.wire]
-        if owner is not self:
+        if owner is not self and owner is not self.killed:
             self.violated(f"job {i} took for its own a run on {worker.name} that the killed "
                           "mission's head had sent")
             return
+        if owner is not self and not self.sends[i]:
+            self.inherited.add(i)
         self.current[i] = run
         fate = self.ends.get((i, run))  # (ended already: what it said is on its way)
         self.runs[i][run][1] = "stopping" if job.wire in worker.stopping or \
@@ -6601,19 +6628,27 @@ class Model:
                 self.away[i] = trio.current_time()
             self.runs[i][run][1] = fate
 
-    def check_attempts(self, job):
+    def check_attempts(self, i, got, attempts):
         """A job ends counting as attempts the runs the head started (the number its error
-        says): a run a worker came back with, and the head adopted again, is one."""
-        i = job.args[0]
-        if job.attempts != len(self.runs[i]):
-            self.violated(f"job {i} ended counting {job.attempts} attempt(s), where the head "
-                          f"started {len(self.runs[i])} run(s) of it")
+        says): a run a worker came back with, and the head adopted again, is one; so is
+        the killed mission's run whose result a worker came back with, when this head
+        started none (a result from the store: none)."""
+        value, error = (None, got) if isinstance(got, BaseException) else (got, None)
+        if self.killed is not None and not self.sends[i] and i not in self.stored and \
+                _mission_of(value, error) == 0:
+            self.inherited.add(i)
+        expected = self.sends[i] + (i in self.inherited)
+        if attempts != expected:
+            self.violated(f"job {i} ended counting {attempts} attempt(s), where the head "
+                          f"started {self.sends[i]} run(s) of it" +
+                          (" and took one the killed mission's had" if i in self.inherited
+                           else ""))
 
     def check_note(self, i, error):
         """A job's error says the runs its head started and, when they differ, the retries
         it announced (a worker that came back with the run it was lost with: one run,
         retried)."""
-        runs, retried = len(self.runs[i]), self.retried[i]
+        runs, retried = self.sends[i] + (i in self.inherited), self.retried[i]
         said = re.search(r"after (\d+) attempts?(?: and (\d+) retries)?( \(|$)",
                          "\n".join(getattr(error, "__notes__", ())), re.M)
         expected = None if not retried else (runs, None if runs == retried + 1 else retried)
@@ -6621,27 +6656,37 @@ class Model:
             self.violated(f"job {i}'s error says {said and said[0]!r}, where the head "
                           f"started {runs} run(s) of it and announced {retried} retries")
 
+    @property
+    def missions(self):
+        """The missions whose runs may give this one's outcomes: its own, and the killed
+        one's that it resumes from its store."""
+        return (0, 1) if self.killed is not None else (self.mission,)
+
     def check_outcomes(self):
         for i in self.script.jobs:
             if self.completed[i] != 1:
                 self.violated(f"job {i}'s outcome was delivered {self.completed[i]} times")
             kind, got = self.outcomes.get(i, ("waits", None))
+            if kind != "waits":
+                self.check_attempts(i, got, self.attempts[i])
             if kind == "error":
                 self.check_note(i, got)
             if kind == "waits":
                 self.violated(f"job {i} still waits at the end")
             elif kind == "value":
                 if ("ok", got[3]) not in self.gave[i] or got[:3] != ("job", i, "run") or \
-                        got[4] != self.mission:
-                    self.violated(f"job {i} was given {got!r}, which no run of it gave")
+                        got[4] not in self.missions or self.stored.get(i, got) != got:
+                    self.violated(f"job {i} was given {got!r}, which no run of it gave" + (
+                        f" (its store entry held {self.stored[i]!r})" if i in self.stored
+                        else ""))
             elif isinstance(got, grain.WorkerLostError):
                 if self.losses[i] <= MODEL_RETRIES:
                     self.violated(f"job {i} ended with {got!r} after {self.losses[i]} loss(es)")
             else:
                 fate = {TemporaryTrouble: "temporary", ValueError: "raise"}.get(type(got))
-                mission, run = (str(got).split("/") + ["", ""])[1:3]
-                if fate is None or mission != str(self.mission) or not run.isdigit() or \
-                        (fate, int(run)) not in self.gave[i]:
+                run = (str(got).split("/") + ["", ""])[2]
+                if fate is None or _mission_of(None, got) not in self.missions or \
+                        not run.isdigit() or (fate, int(run)) not in self.gave[i]:
                     self.violated(f"job {i} ended with {got!r}, which no run of it raised")
 
     def status_disagrees(self, exer):
@@ -6676,13 +6721,19 @@ class Model:
         """A warning against what happened: a job retried as its worker went was running
         there (the run the head counted on), and a job a stuck queue's warning names had no
         run at a worker for as long as it says."""
-        m = re.match(r"job #(\d+) .*; retrying \(\d+ of \d+\)$", text)
+        # (a job's call names its script's number: a job is retried as it is submitted,
+        # when a worker came back with a failure of the killed mission's run of it)
+        m = re.match(r"job #\d+ _model_job\((\d+)\) failed with (?:\w+: \d+/(\d+)/)?.*; "
+                     r"retrying \(\d+ of \d+\)$", text)
         if m is not None:
-            self.retried[self.jobs[int(m.group(1))].args[0]] += 1
-        m = re.match(r"job #(\d+) .* failed with Worker(?:Lost|Retired)Error: job #\d+ \S+ "
-                     r"was running on worker (\S+), which", text)
+            i = int(m.group(1))
+            self.retried[i] += 1
+            if m.group(2) == "0" and self.killed is not None and not self.sends[i]:
+                self.inherited.add(i)  # (it took the failure of the killed mission's run)
+        m = re.match(r"job #\d+ _model_job\((\d+)\) failed with Worker(?:Lost|Retired)Error: "
+                     r"job #\d+ \S+ was running on worker (\S+), which", text)
         if m is not None:
-            i, name = self.jobs[int(m.group(1))].args[0], m.group(2)
+            i, name = int(m.group(1)), m.group(2)
             if i not in self.current or self.runs[i][self.current[i]][0] != name:
                 where = self.runs[i][self.current[i]][0] if i in self.current else "none"
                 return f"a warning says job {i} was running on {name}, where it ran on {where}"
@@ -6754,10 +6805,42 @@ class _ModelHearsWarnings(logging.Handler):
             self.model.violated(why)
 
 
+def _store_as_a_kill_leaves(exer, model):
+    """Leave the mission's results store as a kill -9 would: the rows written, not those
+    still to write, and the holder file, naming a process that is gone. {job: the value
+    of its "done" entry} of ``model``'s jobs."""
+    store = exer.stored.store
+    store._pending.clear()
+    store._db.close()
+    store._db, store.held = None, False  # (the mission's unwinding leaves it as it is)
+    holder, store.holder = store.holder, store.holder + ".after-the-kill"  # (as it unwinds)
+    with open(holder) as f:
+        said = json.load(f)
+    with open(holder, "w") as f:
+        json.dump(dict(said, pid=2 ** 31 - 1), f)
+    left = grain.ResultStore(store.path).open(hold=False)
+    try:
+        return {job.args[0]: grain.loads_job_value(left.fetch(key)[1]) for job in
+                model.jobs.values() if left.states.get(key := grain._key_text(job.key)) == "done"}
+    finally:
+        left.close()
+
+
+async def _at_once(fn, *args, **_):
+    """trio.to_thread.run_sync, on the model's virtual clock: in this thread."""
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
 def _play(script, seed):
     """Play ``script`` (trio's own choices seeded by ``seed``): the Model of its last
-    mission (of the one killed too: its violations)."""
+    mission (of the one killed too: its violations). A mission with a store keeps it in
+    a folder of its own (on /dev/shm, where there is one: it is written often), written by
+    the mission itself, not by a writer process, and every second, not every STORE_FLUSH_S:
+    on virtual time, no thread, process or timer of its own may run beside it."""
     current = [Model(script)]  # the mission that runs, or is to run again
+    folder = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
+        if script.store else None
     if hasattr(trio._core._run, "_r"):  # (trio's private scheduling randomness, when it has one)
         trio._core._run._r.seed(seed)
     random.seed(seed)
@@ -6777,17 +6860,19 @@ def _play(script, seed):
         """One run of the mission: its head, and its jobs submitted as the script says
         (from ``start``)."""
         async with trio.open_nursery() as head_tasks:
-            async with grain.GrainExecutor(temporary_err=TemporaryTrouble,
-                                           max_retries=MODEL_RETRIES) as exer:
+            async with grain.GrainExecutor(
+                    temporary_err=TemporaryTrouble, max_retries=MODEL_RETRIES,
+                    results=folder and os.path.join(folder, "results.db")) as exer:
                 # Its jobs leave this process, as listen= would say, but without a
                 # socket: trio binds a Unix socket in a thread, and the virtual clock
                 # would jump ahead for as long as that takes.
                 exer._remote = True
+                exer.listen = "tcp://model:1"  # (its resumed jobs wait for their workers)
                 complete = exer.complete
 
                 def counted(job, *rest):
                     model.completed[job.args[0]] += 1
-                    model.check_attempts(job)
+                    model.attempts[job.args[0]] = job.attempts
                     return complete(job, *rest)
                 exer.complete = counted
                 job_sent = exer.job_sent
@@ -6814,12 +6899,15 @@ def _play(script, seed):
         at, _, backs = script.kill
         await trio.sleep_until(at)
         first = current[0]
-        current[0] = again = Model(script, first.violations, mission=1)
+        if script.store:
+            first.stored = _store_as_a_kill_leaves(first.exer, first)
+        current[0] = again = Model(script, first.violations, mission=1, killed=first)
         first.violations = []  # (what the dying head does from now on is no one's concern)
         watch.exer = hears.model = None
         watch.model = again  # (a loop that spins from now on is the run again's)
         for w in workers:
             w.head_killed(again, backs.get(w.name))
+        again.losses.clear()  # (the killed head's: the new one has lost nothing yet)
         scope.cancel()
 
     async def main():
@@ -6856,10 +6944,18 @@ def _play(script, seed):
     watch, hears = _ModelWatch(current[0], None), _ModelHearsWarnings(current[0])
     grain.log.addHandler(hears)
     try:
-        with unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt):
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(unittest.mock.patch.object(grain.RemoteWorker, "adopt", adopt))
+            if folder:
+                for where, name, value in ((trio.to_thread, "run_sync", _at_once),
+                                           (grain.ResultStore, "start_writer", lambda _: None),
+                                           (grain, "STORE_FLUSH_S", 1.0)):
+                    patches.enter_context(unittest.mock.patch.object(where, name, value))
             trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         grain.log.removeHandler(hears)
+        if folder:
+            shutil.rmtree(folder)
     return current[0]
 
 
@@ -6867,9 +6963,10 @@ def _smallest_failing(script, seed):
     """``script`` made smaller, one worker, job or fate at a time, while it still fails."""
     if script.kill is not None and _play(dataclasses.replace(script, kill=None), seed).violations:
         script = dataclasses.replace(script, kill=None)  # (it fails without the kill too)
-    if script.relayed and _play(dataclasses.replace(script, relayed=frozenset()),
-                                seed).violations:
-        script = dataclasses.replace(script, relayed=frozenset())
+    for part, none in (("relayed", frozenset()), ("store", False)):
+        if getattr(script, part) and _play(dataclasses.replace(script, **{part: none}),
+                                           seed).violations:
+            script = dataclasses.replace(script, **{part: none})
     smaller = True
     while smaller:
         smaller = False

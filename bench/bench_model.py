@@ -1,7 +1,7 @@
 """The model check of the head, longer than the test suite plays it: seeded sequences of
 workers joining, dropping, falling silent, leaving and coming back, the fates of the
-runs they are sent, and a mission killed and run again, played against a real executor on
-trio's virtual clock (see
+runs they are sent, and a mission killed and run again (with a results store or without),
+played against a real executor on trio's virtual clock (see
 test_the_head_keeps_its_promises_over_seeded_sequences_of_events in test_grain.py, where
 the sequences, the scripted workers and the promises checked are described).
 
