@@ -1933,11 +1933,16 @@ class Job:
 
     def name_on_wire(self, text):
         """Be known to workers by ``text`` from now on: the job outlives its head (see
-        outlives_head), and a new head claims it by that name. The only other value a
-        wire id has is the head's own number, given at birth."""
+        outlives_head), and a new head claims it by that name."""
         if type(text) is not str:
             raise GrainError(f"job {self.name}: a wire name is text, not {text!r}")
         self.wire = text
+
+    def number_on_wire(self, base):
+        """Be known to workers by the head's number for it, made the head's own by its
+        ``base`` (a worker that comes back to another head cannot mistake it for one of
+        that head's); it dies with the head."""
+        self.wire = self.id + base
 
     async def wait_done(self):
         """Wait until the job has ended, without raising its error."""
@@ -2013,17 +2018,19 @@ class Retries:
 
     def note(self, job, error, kind):
         """Say on the final error which job it was, with its arguments (a head daemon, which
-        knows none, when it retried it), the runs started and the retries spent (they
-        differ when a worker came back with the run it was lost with: one run, retried),
-        and the class that ended it if it could have been retried."""
+        knows none, when it retried it). A job that was retried: the runs started and, when
+        they are not one more than the retries spent, those too (a worker came back with the
+        run it was lost with: one run, retried; a retry that never ran, its mission gone),
+        and the class that ended it if it could have been retried again."""
         retries = sum(job.failures.values()) if job.failures else 0
         if retries or job.args is not None:
             runs = job.attempts
             add_note(error, f"grain: job {job.call} failed" + (
                 f" after {runs} attempt{'s' * (runs != 1)}" +
-                (f" and {retries} retries" if runs != retries + 1 else "") +
-                (f" ({kind}, {self.budgets[kind]} retries allowed)" if kind else "")
-                if retries else ""))
+                (f" and {retries} retr{'y' if retries == 1 else 'ies'}"
+                 if runs != retries + 1 else "") +
+                (f" ({kind}, {self.budgets[kind]} retries allowed)" if kind in self.budgets
+                 else "") if retries else ""))
 
 
 NO_KWARGS = types.MappingProxyType({})
@@ -7932,7 +7939,7 @@ class GrainExecutor(HeadCore):
         if job.key is not None:
             self.stored.running(job)
         elif job.wire == job.id:  # its number, made this head's as it goes (queued, the job
-            job.wire += self._wire_base  # shares one int for both: 36 bytes fewer)
+            job.number_on_wire(self._wire_base)  # shares one int for both: 36 bytes fewer)
 
     def deliver(self, job, ok, data, duration, kind):
         job.change("report")
