@@ -1170,6 +1170,34 @@ async def test_temporary_errors_are_retried_then_reported():
     assert exer.counts["retried"] == 5
 
 
+def test_a_failed_jobs_note_counts_the_runs_started_and_says_the_retries_when_they_differ():
+    retries, tally = grain.Retries(max_retries=3, temporary_err=ConnectionError), grain.Tally()
+
+    def note(job, kind, error=None):
+        error = error or ConnectionError("refused")
+        retries.note(job, error, kind)
+        return error.__notes__[-1]
+    job = grain.Job(3, Cores(1), len, ("a.xyz",), {})
+    job.change("start")
+    assert note(job, None, ValueError("bad")) == "grain: job #3 len('a.xyz') failed"
+    for _ in range(3):        # three runs, each lost: retried, and run again
+        assert retries.again(job, grain.RETRY_LOST, ConnectionError("gone"), tally)
+        job.change("requeue")
+        job.change("start")
+    assert not retries.again(job, grain.RETRY_LOST, ConnectionError("gone"), tally)
+    assert note(job, grain.RETRY_LOST).endswith(
+        "failed after 4 attempts (worker lost, 3 retries allowed)")
+    job = grain.Job(4, Cores(1), len, (), {})
+    job.change("start")       # one run: its worker lost, back with it, lost again for good
+    assert retries.again(job, grain.RETRY_LOST, ConnectionError("gone"), tally)
+    job.change("requeue")
+    job.change("adopt")
+    assert note(job, grain.RETRY_LOST).endswith(
+        "failed after 1 attempt and 1 retry (worker lost, 3 retries allowed)")
+    assert note(job, None, ValueError("bad")).endswith("failed after 1 attempt and 1 retry")
+    assert tally.retried_by_class == {grain.RETRY_LOST: 4}
+
+
 @trio_test
 async def test_other_errors_are_not_retried():
     calls = []
@@ -6295,7 +6323,8 @@ class ModelScript:
     def without(self, part, key):
         smaller = dataclasses.replace(self, **{part: {
             k: v for k, v in getattr(self, part).items() if k != key}})
-        return dataclasses.replace(smaller, relayed=smaller.relayed - {key})
+        return dataclasses.replace(smaller, relayed=smaller.relayed - {key}) \
+            if part == "workers" else smaller
 
 
 def model_script(seed):
@@ -6538,15 +6567,18 @@ class Model:
         self.violations = [] if violations is None else violations
         self.steps = 0
         self.jobs = {}             # the head's number of a job submitted -> the job
-        self.away = {}             # job -> since when no run of it was at a worker (None: one is)
-        if self.killed is not None:
-            self.away = killed.away
+        # job -> since when no run of it was at a worker (None: one is)
+        self.away = killed.away if self.killed is not None else {}
+        self.delivered = {}        # job -> when its outcome reached its caller
+        self.dead = False          # killed: what its head still does is lost on the way
 
     def violated(self, text):
         self.violations.append(f"at {trio.current_time():.1f} s: {text}")
 
     def sent(self, job):
         """The head sends ``job`` to a worker (seen at the head: a run may never arrive)."""
+        if self.dead:  # (a dying head, its workers dropped, sends their jobs elsewhere)
+            return
         i, (worker, session) = job.args[0], self.sessions[job.worker.channel.stream]
         runs = self.runs[i]
         if runs and not self.free[i]:
@@ -6649,7 +6681,7 @@ class Model:
         it announced (a worker that came back with the run it was lost with: one run,
         retried)."""
         runs, retried = self.sends[i] + (i in self.inherited), self.retried[i]
-        said = re.search(r"after (\d+) attempts?(?: and (\d+) retries)?( \(|$)",
+        said = re.search(r"after (\d+) attempts?(?: and (\d+) retr(?:y|ies))?( \(|$)",
                          "\n".join(getattr(error, "__notes__", ())), re.M)
         expected = None if not retried else (runs, None if runs == retried + 1 else retried)
         if (said and (int(said[1]), said[2] and int(said[2]))) != expected:
@@ -6850,6 +6882,7 @@ def _play(script, seed):
             model.outcomes[i] = ("value", await job)
         except Exception as e:
             model.outcomes[i] = ("error", e)
+        model.delivered[i] = trio.current_time()
 
     async def join_at(worker, at):
         await trio.sleep(at)
@@ -6899,8 +6932,14 @@ def _play(script, seed):
         at, _, backs = script.kill
         await trio.sleep_until(at)
         first = current[0]
+        first.dead = True
         if script.store:
             first.stored = _store_as_a_kill_leaves(first.exer, first)
+            for i, when in first.delivered.items():  # (written at the keeper's next wake)
+                if first.outcomes[i][0] == "value" and i not in first.stored and \
+                        when < at - grain.STORE_FLUSH_S - 0.5:
+                    first.violated(f"job {i}'s value, delivered at {when:.1f} s, is not in "
+                                   "the store its mission left")
         current[0] = again = Model(script, first.violations, mission=1, killed=first)
         first.violations = []  # (what the dying head does from now on is no one's concern)
         watch.exer = hears.model = None
