@@ -2023,14 +2023,17 @@ class Retries:
         run it was lost with: one run, retried; a retry that never ran, its mission gone),
         and the class that ended it if it could have been retried again."""
         retries = sum(job.failures.values()) if job.failures else 0
-        if retries or job.args is not None:
-            runs = job.attempts
-            add_note(error, f"grain: job {job.call} failed" + (
-                f" after {runs} attempt{'s' * (runs != 1)}" +
-                (f" and {retries} retr{'y' if retries == 1 else 'ies'}"
-                 if runs != retries + 1 else "") +
-                (f" ({kind}, {self.budgets[kind]} retries allowed)" if kind in self.budgets
-                 else "") if retries else ""))
+        if not retries:
+            if job.args is not None:
+                add_note(error, f"grain: job {job.call} failed")
+            return
+        runs = job.attempts
+        text = f"grain: job {job.call} failed after {runs} attempt{'s' * (runs != 1)}"
+        if runs != retries + 1:
+            text += f" and {retries} retr{'y' if retries == 1 else 'ies'}"
+        if kind in self.budgets:
+            text += f" ({kind}, {self.budgets[kind]} retries allowed)"
+        add_note(error, text)
 
 
 NO_KWARGS = types.MappingProxyType({})
