@@ -6689,6 +6689,16 @@ class Model:
             self.violated(f"job {i}'s error says {said and said[0]!r}, where the head "
                           f"started {runs} run(s) of it and announced {retried} retries")
 
+    def check_retries(self, i):
+        """The retries the head announced for a job, against what the model saw: each
+        follows a run of it lost (by this mission) or one that failed with the retried
+        class (by either mission: a worker may bring the killed one's back)."""
+        failed = sum(fate == "temporary" for (j, _), fate in self.ends.items() if j == i)
+        if self.retried[i] > self.losses[i] + failed:
+            self.violated(f"the head announced {self.retried[i]} retries of job {i}, where "
+                          f"{self.losses[i]} run(s) of it were lost and {failed} failed with "
+                          "the retried class")
+
     @property
     def missions(self):
         """The missions whose runs may give this one's outcomes: its own, and the killed
@@ -6697,6 +6707,7 @@ class Model:
 
     def check_outcomes(self):
         for i in self.script.jobs:
+            self.check_retries(i)
             if self.completed[i] != 1:
                 self.violated(f"job {i}'s outcome was delivered {self.completed[i]} times")
             kind, got = self.outcomes.get(i, ("waits", None))
