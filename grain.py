@@ -6020,7 +6020,11 @@ class RemoteWorker(Worker):
     def cancel(self, job):
         """(Its resources come back when the worker confirms, or reports it done anyway.)"""
         if job.wire in self.jobs:
-            self.channel.send(("cancel", job.wire))
+            self.cancel_orphan(job.wire)
+
+    def cancel_orphan(self, wire):
+        """Stop the run ``wire`` here (one it came back with, that no job claims)."""
+        self.channel.send(("cancel", wire))
 
     def on_cancelled(self, jid):
         if (job := self.jobs.pop(jid, None)) is not None:
@@ -6567,10 +6571,11 @@ class Reunion:
     who it is (``instance``): see HeadCore.jobs_held.)
     ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
-    def __init__(self, deliver, clock=_now, claim=lambda wire: None):
+    def __init__(self, deliver, clock=_now, claim=lambda wire: None, push=None):
         self.deliver = deliver
         self.clock = clock
         self.claim = claim
+        self.push = push         # queues a job that waits no longer
         self.held = {}           # wire -> job waiting for its worker to come back
         self.held_for = {}       # worker (True: any expected) -> the jobs held for it
         self.expected = {True}   # the workers the old head had (not known: one never back)
@@ -6630,7 +6635,7 @@ class Reunion:
             return
         w.orphans[wire] = alloc
         if not outlives_head(wire):  # its old head's number: no job here can claim it
-            w.channel.send(("cancel", wire))
+            w.cancel_orphan(wire)
         else:
             self.running[wire] = (w, self.clock())
 
@@ -6681,12 +6686,9 @@ class Reunion:
                 if (job := self.own_held.pop(wire, None)) is not None:
                     self.push(job)
 
-    async def run(self, push):
-        """At hold_until, queue the held jobs (``push``), telling their queues of those
-        whose workers did not come back. Then cancel the jobs that workers came back with
-        and no one claimed in time, and forget such results."""
-        self.push = push
-        await trio.sleep(max(0.0, self.hold_until - self.clock()))
+    def hold_ended(self):
+        """At hold_until: queue the held jobs (``push``), telling their queues of those
+        whose workers did not come back."""
         failed = self.failed
         self.failed = {}
         for wire, result in failed.items():  # no worker had a success for these
@@ -6705,15 +6707,17 @@ class Reunion:
             queue.warn(f"{len(holds)} job(s) that {what} when the last head went run again: "
                        f"no worker came back with them within {REJOIN_WAIT_S:g} s")
         for job in held.values():
-            push(job)
-        while True:
-            await trio.sleep(ORPHAN_WAIT_S / 10)
-            old = self.clock() - ORPHAN_WAIT_S
-            for wire, (w, since) in list(self.running.items()):
-                if since < old:
-                    del self.running[wire]
-                    w.channel.send(("cancel", wire))
-            self.finished = {wire: f for wire, f in self.finished.items() if f[1] >= old}
+            self.push(job)
+
+    def forget_unclaimed(self):
+        """Cancel the jobs workers came back with that no one claimed within ORPHAN_WAIT_S,
+        and forget such results."""
+        old = self.clock() - ORPHAN_WAIT_S
+        for wire, (w, since) in list(self.running.items()):
+            if since < old:
+                del self.running[wire]
+                w.cancel_orphan(wire)
+        self.finished = {wire: f for wire, f in self.finished.items() if f[1] >= old}
 
 
 async def warn_of_stuck_queues(scheduler):
@@ -6747,19 +6751,10 @@ class HeadCore:
         self.closing = False
         self.instance = os.urandom(8).hex()  # which head this is, for workers that return
         self.clock = _now
-
-    def start(self, nursery, push):
-        """Its tasks: the reunion (its hold counts from now; held jobs go to ``push``), and
-        the warnings of stuck queues. From now on its clock is the run's clock's own method,
-        read several times a job: a third of the calls of trio.current_time()."""
-        self.clock = self.scheduler.clock = trio.lowlevel.current_clock().current_time
-        self.reunion = Reunion(self.deliver, clock=self.clock, claim=self.scheduler.claim)
-        self._tasks = nursery
-        nursery.start_soon(self.reunion.run, functools.partial(self._queue_held, push))
-        nursery.start_soon(warn_of_stuck_queues, self.scheduler)
+        self.tasks = None  # the nursery of its timers (see start_head)
 
     @staticmethod
-    def _queue_held(push, job):
+    def queue_held(push, job):
         """A job the Reunion held for a worker that did not come back with it: queued again
         (it may have been running here, held since its worker's connection went)."""
         job.change("requeue")
@@ -6837,33 +6832,22 @@ class HeadCore:
         self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
         self.pump()
 
-    def jobs_held(self, jobs, w, why, hold, alive=None):
+    def jobs_held(self, jobs):
         """The jobs of a worker whose connection went while the worker itself may live on:
-        held ``hold`` seconds at most for it to come back to this head with them (Reunion),
-        and, with ``alive`` (the file it touches while its node is up, when it went silent
-        but was not gone), only while it touches that; then interrupted as lost."""
+        held (Reunion) for it to come back to this head with them, for as long as hold_jobs
+        waits, which then calls release_held."""
         for job in jobs:
             self.scheduler.release(job)
             self.reunion.own_held[job.wire] = job
-        self._tasks.start_soon(self._release_held, jobs, w, why, hold, alive)
 
-    async def _release_held(self, jobs, w, why, hold, alive):
-        def waiting():
-            return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
-        why_not = f"it is not back after {hold:g} s"
-        with trio.move_on_after(hold):
-            # (the file is looked at here, not in a thread: as the Edge file, it is small
-            # and on a filesystem the head needs anyway)
-            while waiting():
-                if w.ident is not None and any(o.ident == w.ident for o in self.workers):
-                    why_not = "it came back without them"
-                    await trio.sleep(HEARTBEAT_S)  # (the results it reported are on their way)
-                    break
-                if alive is not None and not touched_within(alive, ALIVE_S):
-                    why_not = f"{alive} was not touched in the last {ALIVE_S:g} s"
-                    break
-                await trio.sleep(HEARTBEAT_S if alive else hold)
-        if not (left := waiting()):
+    def still_held(self, jobs):
+        """Those of ``jobs`` that are held still: no worker came back with them yet."""
+        return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
+
+    def release_held(self, jobs, w, why, why_not):
+        """The hold of ``jobs`` is over: those still held are interrupted as lost, since
+        their worker ``w`` (which ``why``) did not come back with them (``why_not``)."""
+        if not (left := self.still_held(jobs)):
             return
         log.warning("worker %s: re-queueing its %d held job(s): %s", w.name, len(left), why_not)
         for job in left:
@@ -6919,6 +6903,50 @@ class HeadCore:
     def complete(self, job, value, error, kind, pickled):
         """A job ended for good: its value or error (or ``pickled``, as a worker sent it)."""
         raise NotImplementedError
+
+
+def start_head(core, nursery, push):
+    """Start the timers of the head ``core`` (a HeadCore) in ``nursery``: its Reunion's
+    hold, from now (the jobs it held then go to ``push``), the holds of jobs_held, and the
+    warnings of stuck queues. From now on its clock is the run's clock's own method, read
+    several times a job: a third of the calls of trio.current_time()."""
+    core.clock = core.scheduler.clock = trio.lowlevel.current_clock().current_time
+    core.reunion = Reunion(core.deliver, clock=core.clock, claim=core.scheduler.claim,
+                           push=functools.partial(core.queue_held, push))
+    core.tasks = nursery
+    nursery.start_soon(keep_reunion, core.reunion)
+    nursery.start_soon(warn_of_stuck_queues, core.scheduler)
+
+
+async def keep_reunion(reunion):
+    """A Reunion's timers: the end of its hold, then every tenth of ORPHAN_WAIT_S a look
+    for the runs and results no job claimed in time."""
+    await trio.sleep(max(0.0, reunion.hold_until - reunion.clock()))
+    reunion.hold_ended()
+    while True:
+        await trio.sleep(ORPHAN_WAIT_S / 10)
+        reunion.forget_unclaimed()
+
+
+async def hold_jobs(core, jobs, w, why, hold, alive):
+    """The hold of ``jobs`` (HeadCore.jobs_held): ``hold`` seconds at most for their worker
+    ``w`` (which ``why``) to come back to this head with them, and, with ``alive`` (the
+    file it touches while its node is up: it went silent but was not gone), only while it
+    touches that; then the head releases those it did not come back with."""
+    why_not = f"it is not back after {hold:g} s"
+    with trio.move_on_after(hold):
+        # (the file is looked at here, not in a thread: as the Edge file, it is small
+        # and on a filesystem the head needs anyway)
+        while core.still_held(jobs):
+            if w.ident is not None and any(o.ident == w.ident for o in core.workers):
+                why_not = "it came back without them"
+                await trio.sleep(HEARTBEAT_S)  # (the results it reported are on their way)
+                break
+            if alive is not None and not touched_within(alive, ALIVE_S):
+                why_not = f"{alive} was not touched in the last {ALIVE_S:g} s"
+                break
+            await trio.sleep(HEARTBEAT_S if alive else hold)
+    core.release_held(jobs, w, why, why_not)
 
 
 class HeadService:
@@ -7058,7 +7086,8 @@ class HeadService:
             if hold is not None:
                 jobs = list(w.jobs.values())
                 w.jobs = {}
-                self.owner.jobs_held(jobs, w, why, hold, alive)
+                self.owner.jobs_held(jobs)
+                self.owner.tasks.start_soon(hold_jobs, self.owner, jobs, w, why, hold, alive)
             w.interrupt_all(kind, why)
             if channel.silent and self.job_book is not None and w.job_id:
                 self._nursery.start_soon(self._cancel_unless_back, w, info.get("reattach", 0),
@@ -8041,7 +8070,7 @@ class GrainExecutor(HeadCore):
         self.after_jobs = await self._stack.enter_async_context(contextlib.AsyncExitStack())
         self._nursery = await self._stack.enter_async_context(open_background_nursery())
         self.record = MissionRecord()
-        self.start(self._nursery, self._queue)
+        start_head(self, self._nursery, self._queue)
         if self.stored is not None and self.stored.store.crashed:  # the workers its last
             # run's "running" entries name: its jobs may be held for them (see _enqueue)
             self.reunion.expected = self.stored.store.last_workers | set(
@@ -9249,7 +9278,7 @@ class HeadDaemon(HeadCore):
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
         """Serve until stopped (`stop`, idle_quit, a signal); then FIN to the workers."""
         async with open_strict_nursery() as nursery:
-            self.start(nursery, self._push_held)
+            start_head(self, nursery, self._push_held)
             urls = await nursery.start(self.service.run)
             if self.mission_socket:
                 await nursery.start(serve, f"unix://{self.mission_socket}", self.service.key,

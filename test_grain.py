@@ -5955,7 +5955,8 @@ async def test_held_jobs_run_again_and_unclaimed_ones_are_cancelled(autojump_clo
     assert reunion.offer(j, hold=True)
     reunion.worker_runs(w, "nobody's", Cores([0]))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reunion.run, pushed.append)
+        reunion.push = pushed.append
+        nursery.start_soon(grain.keep_reunion, reunion)
         await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
         assert pushed == [j]                    # its worker did not come back: run again
         assert w.channel.sent == []
@@ -5979,7 +5980,8 @@ async def test_a_worker_back_after_the_hold_still_gets_its_job_if_it_waits(autoj
         assert reunion.offer(j, hold=True)
         jobs.append(j)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reunion.run, sched.push)
+        reunion.push = sched.push
+        nursery.start_soon(grain.keep_reunion, reunion)
         await trio.sleep(grain.REJOIN_WAIT_S + 0.1)
         assert list(queue.jobs) == jobs and sched.n_queued == 3  # held in vain: queued
         sched.withdraw(jobs[2])                  # (as if it had started elsewhere)
@@ -6010,7 +6012,8 @@ async def test_a_failure_a_returning_worker_reports_yields_to_a_success_from_ano
         j.wire = wire
         assert reunion.offer(j, hold=True)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reunion.run, lambda job: None)
+        reunion.push = lambda job: None
+        nursery.start_soon(grain.keep_reunion, reunion)
         reunion.worker_finished("retried", (False, b"flaky", 0.1, None))   # A, first
         reunion.worker_finished("failed", (False, b"error", 0.1, None))
         assert delivered == []
@@ -6139,7 +6142,8 @@ async def test_a_new_head_holds_a_job_only_while_its_worker_may_come_back(autoju
     with caplog.at_level(logging.WARNING, logger="grain"):
         async with trio.open_nursery() as nursery:
             t0 = trio.current_time()
-            nursery.start_soon(reunion.run, push)
+            reunion.push = push
+            nursery.start_soon(grain.keep_reunion, reunion)
             await trio.sleep(1)
             if back_first:
                 wr_comes_back()
@@ -6175,8 +6179,8 @@ async def test_a_new_head_warns_of_the_jobs_whose_worker_did_not_come_back_only(
     with caplog.at_level(logging.WARNING, logger="grain"):
         async with trio.open_nursery() as nursery:
             t0 = trio.current_time()
-            nursery.start_soon(reunion.run,
-                               lambda job: pushed.append((trio.current_time() - t0, job.wire)))
+            reunion.push = lambda job: pushed.append((trio.current_time() - t0, job.wire))
+            nursery.start_soon(grain.keep_reunion, reunion)
             for wire, hold in [("on wr", "wr"), ("on gone", "gone"), ("no entry", True)]:
                 job = grain.Job(wire, Cores(1), None, (), {}, queue)
                 job.wire = wire
@@ -8381,7 +8385,7 @@ class InProcessDaemon:
         self.started = []        # (time, mission, ref) of each job, as the worker got it
         self.one_started = trio.Event()
         if nursery is not None:  # (its reunion: held jobs run when their hold ends)
-            self.daemon.start(nursery, self.daemon._push_held)
+            grain.start_head(self.daemon, nursery, self.daemon._push_held)
 
     def _peer(self, name):
         head_side, side = trio.testing.memory_stream_pair()

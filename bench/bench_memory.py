@@ -100,7 +100,7 @@ def grainpy():
         """The head daemon's loop while a mission queues N jobs there (no worker)."""
         daemon = grain.HeadDaemon("tcp://127.0.0.1:0", os.urandom(32))
         async with trio.open_nursery() as nursery:
-            daemon.start(nursery, daemon._push_held)
+            grain.start_head(daemon, nursery, daemon._push_held)
             head_side, mission_side = trio.testing.memory_stream_pair()
             nursery.start_soon(daemon.service.handle_connection, head_side, "mission")
             async with grain.open_channel(mission_side, "the daemon") as ch:
