@@ -28,6 +28,8 @@ Sections, in dependency order (each uses only what is above it):
     Resource kinds      Cores, Memory, Capacity, Token, Gpus, WTime, Node, Reject
     Context             GVAR and the run state, in ContextVars
     Jobs                Job, failure classes, Tally, Retries; pickling jobs' values
+    Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
+    Head state          HeadCore and the Reunion: what a head knows, and its changes (no I/O)
     Wire protocol       sans-I/O: frames, the HMAC handshake, the key, MESSAGES, dispatch
     Transports          serve() and connect() for tcp, unix and Edge
     Channels            message sessions over a stream: batched writes, dispatch_all
@@ -38,8 +40,7 @@ Sections, in dependency order (each uses only what is above it):
     Host                what this machine offers: cores, memory, GPUs, allocation end
     Results store       a mission's results in SQLite, keyed by what each job computes
     Workers             a worker as a head sees it; local, remote, specialized
-    Scheduler           the queue policy: fairness, backfill, reservations (no I/O)
-    Head service        where workers, the CLI and missions reach a head
+    Head service        where workers, the CLI and missions reach a head; its timers
     Mission link        how a mission reaches and uses the head daemon
     Watching a mission  its status line, totals and HTML report
     Executor            GrainExecutor: jobs, retries, failure classes, lifetime
@@ -2182,6 +2183,818 @@ def unpickle_result(job, ok, data):
     if tb:
         add_note(error, tb.rstrip())
     return None, error
+
+
+###############################################################################
+# Scheduler ###################################################################
+###############################################################################
+# The queue policy, synchronous and free of I/O: which job starts on which worker, and
+# when. It sees jobs only through their attributes (queue, req, group, state, attempts,
+# alloc, worker, T) and starts one by ``worker.start(job)``, which never blocks; it reads
+# time through a clock it is given, so tests can drive it without trio.
+
+
+class JobQueue:
+    """The jobs of one mission waiting for resources, oldest first. An executor running a
+    mission in-process has one; a head daemon has one per attached mission."""
+
+    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
+                 "reserved", "run", "fits", "maybe")
+
+    def __init__(self, name, prioritized=False):
+        self.jobs = deque()
+        self.name = name
+        self.prioritized = prioritized
+        # the head job while it fits no worker, and since when
+        self.blocked_job = None
+        self.blocked_since = 0.0
+        self.warned_at = -math.inf
+        self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
+        self.run = 0                 # jobs right behind the first known to ask the same
+        self.fits = None  # a request
+        self.maybe = {}   # the workers that may have room for it
+
+    def unreserve(self):
+        """Give up the worker held for the blocked job (it started, or the queue is gone)."""
+        if (w := self.reserved) is not None:
+            self.reserved = None
+            if w.reserved_for is self.blocked_job:
+                w.reserved_for = None
+
+    def unblock(self):
+        """The blocked job started or left the queue: no worker is held for it, and should
+        it come back to the head of the queue (its worker lost, say), it waits from then,
+        not from when it first waited (a stuck warning would count the time it ran, and
+        it would hold a worker at once)."""
+        self.unreserve()
+        self.blocked_job = None
+
+    def warn(self, message):
+        """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
+        log.warning("%s", message)
+
+
+def _now():
+    """trio's clock inside a run (so MockClock tests see it), the monotonic clock outside."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+def _size_key(res):
+    """How large a provider is, for naming "the largest worker": (cores, memory)."""
+    c = _part(res, "Cores")
+    m = _part(res, "Memory")
+    return (c._total if c else 0, m._total if m else 0)
+
+
+def _same_request(a, b):
+    """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
+    it for many queued jobs."""
+    return type(a) is type(b) and (a is b or (a.N == b.N if type(a) is Cores else a == b))
+
+
+# What a stuck queue's warning, explain() and the status line say while no worker is there
+NONE_JOINED = "no worker has joined yet"
+NO_WORKER = f"{NONE_JOINED} (give run() local=..., or start workers with `python grain.py up`)"
+
+
+def no_worker_text(joined, hint=True):
+    """Why no worker runs anything when none is connected: none has joined yet (``hint``:
+    with how to start some), or the ``joined`` that did have all left."""
+    if joined:
+        return f"no worker is connected: the {joined} that joined have left"
+    return NO_WORKER if hint else NONE_JOINED
+
+SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
+SchedulerStatistics.__doc__ = "The queues and workers of a Scheduler at one moment."
+
+
+class Scheduler:
+    """Starts queued jobs on workers whose free resources can be allocated to them.
+
+    Within a queue (one per mission): first come, first served, with backfill. The oldest
+    job goes to the first worker that can allocate its request. When no worker can, later
+    jobs (up to BACKFILL_DEPTH behind it) that fit somewhere now start ahead of it, so a
+    large job does not leave cores idle behind it. So that the large job cannot starve,
+    once it has waited RESERVE_AFTER_S it reserves one worker (among those large enough,
+    the one with the most free): no other job starts there until it does, whichever
+    mission it comes from.
+
+    Between queues (the missions of a head daemon): those ``prioritized`` first; among
+    equals, one job per queue per round, and each pump starts its rounds one queue further
+    along, so a small mission is never stuck behind a large one's backlog.
+
+    The queues are looked at again (``pump()``) whenever a job is pushed, a worker joins
+    or an allocation comes back. The workers share one set of WTime group estimates.
+
+    A queue looks only at the workers that may have room for its oldest job's request
+    (``queue.maybe``): a worker found without room leaves it, and comes back when
+    resources come back to it (grew()). So with a thousand workers a job costs a look at
+    a few, not at all of them."""
+
+    def __init__(self, clock=_now):
+        self.workers = []
+        self.queues = []
+        self.n_queued = 0
+        self.joined = 0  # workers that ever joined: none left now means all of them went
+        self.group_times = _GroupTimes()
+        self.clock = clock
+
+    # -- workers and queues -------------------------------------------------------
+    def add_worker(self, w):
+        for wt in (_part(w.res, "WTime"), _part(w.total, "WTime")):
+            if wt is not None:
+                wt._groups = self.group_times
+        self.workers.append(w)
+        self.joined += 1
+        self.grew(w)
+        self.pump()
+
+    def remove_worker(self, w):
+        if w in self.workers:
+            self.workers.remove(w)
+            w.accepting = False  # (its jobs' resources come back after it went: grew())
+            for q in self.queues:
+                q.maybe.pop(w, None)
+
+    def grew(self, w):
+        """Resources came back to ``w`` (or it joined): each queue looks at it again."""
+        if w.accepting:
+            for q in self.queues:
+                if q.fits is not None:
+                    q.maybe[w] = None
+
+    def add_queue(self, queue):
+        self.queues.append(queue)
+
+    def remove_queue(self, queue):
+        """Forget a queue (its mission has gone); returns the jobs it still held."""
+        self.queues.remove(queue)
+        return self.take_queued(queue)
+
+    def take_queued(self, queue):
+        """Every job waiting in ``queue``, taken out."""
+        jobs = list(queue.jobs)
+        queue.jobs.clear()
+        self.n_queued -= len(jobs)
+        queue.unblock()
+        queue.run = 0
+        return jobs
+
+    # -- jobs -----------------------------------------------------------------------
+    def push(self, job):
+        """Queue a job (it has a request: jobs without one run at once, not here)."""
+        jobs = job.queue.jobs
+        jobs.append(job)
+        self.n_queued += 1
+        if len(jobs) == 1:
+            self.pump()
+        elif not _same_request(job.req, jobs[0].req):
+            self._backfill(job.queue, 1, len(jobs) - 1)  # behind a blocked job, it may fit
+
+    def push_front(self, job):
+        """Queue a job again ahead of the others (a retry: it came before them)."""
+        job.queue.jobs.appendleft(job)
+        job.queue.run = 0
+        self.n_queued += 1
+
+    def claim(self, wire):
+        """The job ``wire`` taken out of the queue it waits in (a worker came back running
+        it, or with its result), or None. A scan: this happens when a worker comes back."""
+        job = next((j for queue in self.queues for j in queue.jobs if j.wire == wire), None)
+        return job if job is not None and self.withdraw(job) else None
+
+    def withdraw(self, job):
+        """Take ``job`` out of its queue (a worker came back running it); False when it
+        is not waiting there (it started again meanwhile)."""
+        queue = job.queue
+        try:
+            queue.jobs.remove(job)
+        except ValueError:
+            return False
+        self.n_queued -= 1
+        queue.run = 0
+        if queue.blocked_job is job:
+            held = queue.reserved is not None
+            queue.unblock()
+            if held:
+                self.pump()  # the worker it held may take others now
+        return True
+
+    def launch(self, job, w, now=None):
+        """Allocate ``job`` its request on ``w`` and start it there (at ``now``)."""
+        if w.orphans and job.wire in w.orphans:  # it runs there already
+            w.adopt_orphan(job, self.clock() if now is None else now)
+            return
+        job.change("start")
+        job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
+        if job.group is not None:
+            job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
+        job.worker = w
+        job.started = self.clock() if now is None else now
+        w.running += 1
+        w.busy.add(job)
+        w.start(job)
+
+    def release(self, job, ok=False):
+        """Give a job's allocation back to its worker, which it returns (only a run that
+        succeeded teaches its WTime group how long the group's runs take). The job keeps
+        ``alloc`` and ``worker``: where it ran last."""
+        w = job.worker
+        alloc = job.alloc
+        w.running -= 1
+        w.busy.discard(job)
+        if alloc is not ZERO:
+            if not ok and job.group is not None:
+                _part(alloc, "WTime")._since = None
+            w.res.dealloc(alloc)
+            self.grew(w)
+        return w
+
+    # -- the policy -----------------------------------------------------------------
+    def pump(self):
+        """Start queued jobs on workers that can allocate them (see the class)."""
+        queues = self.queues
+        if len(queues) <= 1:
+            if queues:
+                self._start_from(queues[0], -1)
+            return
+        while self.n_queued:
+            for tier in (True, False):
+                # (a list: every queue of the tier starts one before any() looks)
+                if any([self._start_from(q, 1) for q in queues
+                        if q.jobs and q.prioritized is tier]):
+                    break  # back to the prioritized tier: what started may have freed nothing
+            else:
+                break  # nothing started
+        queues.append(queues.pop(0))
+
+    def _start_from(self, queue, limit):
+        """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
+        (backfill) later ones that fit while the oldest waits; returns how many started."""
+        jobs = queue.jobs
+        workers = self.workers
+        started = 0
+        now = self.clock()
+        while jobs and started != limit:
+            job = jobs[0]
+            req = job.req
+            if len(workers) > FEW_WORKERS:
+                w = self._first_fit(queue, job, req)
+            else:  # (a look at each costs less than keeping maybe)
+                for w in workers:
+                    if w.accepting and w.res.request(req) and (
+                            w.reserved_for is None or w.reserved_for is job):
+                        break
+                else:
+                    w = None
+            if w is None:
+                if queue.blocked_job is not job:
+                    if queue.reserved is not None:
+                        queue.unreserve()
+                    queue.blocked_job = job
+                    queue.blocked_since = now
+                else:
+                    self._reserve_if_starving(queue, job)
+                if len(jobs) > queue.run + 1:
+                    started += self._backfill(queue, limit - started if limit > 0 else -1)
+                return started
+            jobs.popleft()
+            if queue.run:
+                queue.run -= 1
+            if queue.blocked_job is not None:
+                queue.unblock()
+            self.n_queued -= 1
+            self.launch(job, w, now)
+            started += 1
+        return started
+
+    def _first_fit(self, queue, job, req):
+        """The first worker of ``queue.maybe`` (see the class) with room for ``job`` now;
+        those found without it leave maybe."""
+        if job.group is not None or not _same_request(req, queue.fits):  # all again
+            queue.fits = req if job.group is None else None  # (a group's T changes)
+            # (ordered by links: a plain dict keeps the slots of those that left, and a
+            # look for the first one would step over each, a thousand with 1,000 workers)
+            queue.maybe = OrderedDict.fromkeys(self.workers)
+        maybe = queue.maybe
+        full = []
+        for w in maybe:
+            if w.accepting and w.res.request(req):
+                if w.reserved_for is None or w.reserved_for is job:
+                    break
+            else:
+                full.append(w)
+        else:
+            w = None
+        for f in full:
+            del maybe[f]
+        return w
+
+    def _reserve_if_starving(self, queue, job):
+        """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
+        once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
+        w = queue.reserved
+        if (w is not None and w.reserved_for is job and w.accepting and w in self.workers) or \
+                self.clock() - queue.blocked_since < RESERVE_AFTER_S:  # held already, or not yet
+            return
+        queue.reserved = None
+        could = [w for w in self.workers
+                 if w.accepting and w.reserved_for is None and w.total.request(job.req)]
+        if could:  # the one with the most free now: probably the first to have enough
+            w = max(could, key=lambda w: _size_key(w.res))
+            w.reserved_for = job
+            queue.reserved = w
+            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job until it "
+                     "starts", job.name, self.clock() - queue.blocked_since, job.req, w.name)
+
+    def _backfill(self, queue, limit, first=None):
+        """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
+        ``queue`` that fit a worker now (or only ``jobs[first:]``, for a new job).
+
+        ``queue.run`` counts the jobs right behind the head that ask for the same as it:
+        they cannot fit either, and each is compared once as the run grows, so a long queue
+        of identical jobs costs nothing per completion. Behind the run, at most
+        BACKFILL_DEPTH jobs are looked at; those asking for the same as one found not to fit
+        in this pass are skipped without a look at the workers."""
+        jobs = queue.jobs
+        head_req = jobs[0].req
+        n = len(jobs)
+        if first is None:
+            i = queue.run + 1
+            while i < n and _same_request(jobs[i].req, head_req):
+                i += 1
+            queue.run = i - 1
+            stop = min(n, i + BACKFILL_DEPTH)
+        else:
+            i = first
+            stop = n
+        failed = [head_req]
+        started = 0
+        while i < stop and started != limit:
+            job = jobs[i]
+            w = None
+            if not any(_same_request(job.req, f) for f in failed):
+                w = next((w for w in self.workers if w.accepting and w.reserved_for is None
+                          and w.res.request(job.req)), None)
+                if w is None:
+                    failed.append(job.req)
+            if w is None:
+                i += 1
+                continue
+            del jobs[i]
+            stop -= 1
+            self.n_queued -= 1
+            self.launch(job, w)
+            started += 1
+        return started
+
+    # -- watching -------------------------------------------------------------------
+    def stuck(self):
+        """``[(queue, warning)]`` for each queue whose oldest job has fitted no worker for
+        STUCK_WARN_S, again every STUCK_REPEAT_S while that lasts."""
+        now = self.clock()
+        out = []
+        for q in self.queues:
+            waited = now - q.blocked_since
+            if not (q.jobs and q.jobs[0] is q.blocked_job) or waited < STUCK_WARN_S \
+                    or now - q.warned_at < STUCK_REPEAT_S:
+                continue
+            q.warned_at = now
+            where = (f"the largest worker is {self.largest()}" if self.workers
+                     else no_worker_text(self.joined))
+            out.append((q, f"job {q.blocked_job.name} requesting "
+                           f"{request_text(q.blocked_job.req)} has fitted no worker for "
+                           f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued"))
+        return out
+
+    def too_large(self, job):
+        """Why ``job`` fits no worker, even idle (None when one could run it)."""
+        if any(w.total.request(job.req) for w in self.workers):
+            return None
+        return (f"job {job.name} asks {request_text(job.req)}, more than any worker has" +
+                (f" (the largest: {self.largest()})" if self.workers else ""))
+
+    def largest(self):
+        """The largest worker and what it offers, in words ("w1 with 3 cores, 23.5 GB")."""
+        big = max(self.workers, key=lambda w: _size_key(w.total))
+        return f"{big.name} with {amounts_text(big.offered)}"
+
+    def explain(self):
+        """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
+        "request", "waited", "reason"}]``, the reason in words with its figures."""
+        now = self.clock()
+        out = []
+        for q in self.queues:
+            if q.jobs:
+                job = q.jobs[0]
+                waited = now - q.blocked_since if q.blocked_job is job else 0.0
+                out.append({"queue": q.name, "job": job.name, "request": request_text(job.req),
+                            "waited": round(waited, 1), "reason": self._why(q, job, now)})
+        return out
+
+    def _why(self, queue, job, now):
+        req = job.req
+        workers = self.workers
+        if not workers:
+            return no_worker_text(self.joined, hint=False)
+        if (w := queue.reserved) is not None:
+            return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
+                    f"nothing else starts there until it fits (free on {w.name}: "
+                    f"{amounts_text(w.res)})")
+        token = _part(req, "Token")
+        tokens = sorted({t.token for w in workers for t in [_part(w.total, "Token")] if t})
+        if token is not None and token.token not in tokens:
+            return (f"its token {token.token!r} matches no worker (their tokens: "
+                    f"{', '.join(tokens) or 'none'})")
+        wt = _part(req, "WTime")
+        if wt is not None and wt.softT:
+            left, w = max(((_part(w.res, "WTime").remaining(), w) for w in workers),
+                          key=lambda lw: lw[0])
+            if left < wt.softT:
+                return (f"every worker has less walltime left than its softT "
+                        f"{format_walltime(wt.softT)}: the most is {format_walltime(left)}, "
+                        f"on {w.name}")
+        large = [w for w in workers if w.total.request(req)]
+        if not large:
+            return (f"no worker is large enough: it asks {request_text(req)}; the largest "
+                    f"is {self.largest()}")
+        room = [w for w in large if w.res.request(req)]
+        if room:
+            if all(w.reserved_for is not None for w in room):
+                return (f"the worker(s) with room are held for {room[0].reserved_for.name}, "
+                        f"which waited longer (reserved)")
+            return "a worker has room: it starts at the next pass"
+        busy = ", ".join(f"{w.name} ({w.running} running; free: {amounts_text(w.res)})"
+                         for w in large[:4])
+        more = f" and {len(large) - 4} more" if len(large) > 4 else ""
+        text = f"all {len(large)} worker(s) large enough are busy: {busy}{more}"
+        running = [j for w in large for j in w.busy if j.started is not None]
+        if running:
+            first = min(running, key=lambda j: (j.started + j.T if j.T else math.inf, j.started))
+            text += (f"; the first to free should be {first.name} on {first.worker.name} "
+                     f"(running for {format_walltime(now - first.started)}" +
+                     (f", its T ends in {format_walltime(first.started + first.T - now)})"
+                      if first.T else ", no T)"))
+        return text
+
+    def statistics(self):
+        heads = [q.jobs[0] for q in self.queues if q.jobs]
+        return SchedulerStatistics(self.n_queued, sum(w.running for w in self.workers),
+                                   [w.statistics() for w in self.workers],
+                                   min(heads, key=lambda j: j.id).req if heads else None)
+
+
+###############################################################################
+# Head state ##################################################################
+###############################################################################
+# What a head knows of its jobs and its workers, and how that changes: the Reunion of
+# jobs and workers that come back after a head was replaced, and HeadCore, what every
+# head is built on (a mission's own, GrainExecutor, and the shared HeadDaemon). Rules:
+#   - nothing here awaits, sleeps, or reads a socket or a file: the connections that
+#     feed it and the timers that drive it (start_head, keep_reunion, hold_jobs) are
+#     the head service's, and time comes in only through the clock it is given;
+#   - a job moves only by Job.change, along JOB_LIFE;
+#   - what it asks of a worker goes through the worker's methods (start, cancel,
+#     cancel_orphan), which queue messages and never block.
+
+
+class Reunion:
+    """Jobs and worker processes finding each other again after their head was replaced: a
+    head daemon died and another started, or a mission that was its own head was run
+    again. A worker that comes back reports, by wire id, the jobs it still runs and the
+    results of those that ended while it was alone; the owner offers it the jobs it has.
+    A job that was (or may have been) running when the old head went is held, for
+    REJOIN_WAIT_S after this head started at most, while its worker may still come back:
+    the worker it ran on, or (True) any of the ``expected`` ones, the old head's; once
+    they came back without it, it is queued (``push``). A job a worker comes back with
+    that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
+    comes first, the job or its worker's report, the other finds it: a report finds a job
+    that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
+    (Only some wire ids outlive a head: see outlives_head. A head's own numbers are
+    claimed only by a worker that comes back to that same head, which tells its workers
+    who it is (``instance``): see HeadCore.jobs_held.)
+    ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
+
+    def __init__(self, deliver, clock=_now, claim=lambda wire: None, push=None):
+        self.deliver = deliver
+        self.clock = clock
+        self.claim = claim
+        self.push = push         # queues a job that waits no longer
+        self.held = {}           # wire -> job waiting for its worker to come back
+        self.held_for = {}       # worker (True: any expected) -> the jobs held for it
+        self.expected = {True}   # the workers the old head had (not known: one never back)
+        self.back = set()        # the workers that came back
+        self.reported = set()    # the wires of the jobs they came back with or ended
+        self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
+        self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
+        self.failed = {}         # wire -> a failure reported while jobs are held (see below)
+        self.own_held = {}       # wire -> job held with a hold of its own (jobs_held)
+        self.results_due = {}    # wire -> the worker back with its result, not read yet
+        self.hold_until = clock() + REJOIN_WAIT_S
+
+    def offer(self, job, hold=None):
+        """True when ``job`` is taken care of here: its result came back, its worker still
+        runs it, or it is held (``hold``: the worker it was running on when the last head
+        went, True: any expected one) while that worker may come back with it."""
+        wire = job.wire
+        if wire in self.finished:
+            self.deliver(job, *self.finished.pop(wire)[0])
+        elif wire in self.running:
+            w, _ = self.running.pop(wire)
+            w.adopt(job, w.orphans.pop(wire), self.clock())
+        elif hold and self.clock() < self.hold_until and (wire in self.reported or
+                                                          self._away(hold)):
+            self.held[wire] = job
+            self.held_for.setdefault(hold, []).append(job)
+        else:
+            return False
+        return True
+
+    def _away(self, hold):
+        """May the worker ``hold`` (True: any expected) still come back?"""
+        return not (self.expected if hold is True else {hold}) <= self.back
+
+    def worker_back(self, worker, reported):
+        """``worker`` came back with the jobs ``reported`` (running, or ended: their results
+        follow). The jobs held for it that it does not have are queued now; so are those
+        held for any expected worker once all came back."""
+        self.back.add(worker)
+        self.reported.update(reported)
+        for hold in (worker, True):
+            if not self._away(hold):
+                for job in self.held_for.pop(hold, ()):
+                    if self.held.get(job.wire) is job and job.wire not in self.reported:
+                        del self.held[job.wire]
+                        self.push(job)
+
+    def worker_runs(self, w, wire, alloc, ours=False):
+        """A worker came back still running the job ``wire`` with ``alloc`` (``ours``: to
+        the head it left, whose own numbers it may be)."""
+        if not isinstance(alloc, Resource):
+            raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
+        w.res.claim(alloc)
+        w.running += 1
+        if (job := self._claimed(wire, ours)) is not None:
+            w.adopt(job, alloc, self.clock())
+            return
+        w.orphans[wire] = alloc
+        if not outlives_head(wire):  # its old head's number: no job here can claim it
+            w.cancel_orphan(wire)
+        else:
+            self.running[wire] = (w, self.clock())
+
+    def result_follows(self, w, wire, ours=False):
+        """A worker came back saying the result of job ``wire`` follows: the job is taken
+        out of the queue until it comes (else the queue could send it out again first, to
+        this very worker perhaps, under the same wire). Held by ``own_held`` meanwhile;
+        queued again if the worker goes before the result came (worker_left)."""
+        if (job := self._claimed(wire, ours)) is not None:
+            self.own_held[wire] = job
+            self.results_due[wire] = w
+
+    def worker_finished(self, wire, result, ours=False):
+        """A worker reports the result of a job that ended while it had no head. A failure
+        waits for the end of the hold: it may be one the last head retried on another
+        worker, which comes back with the job's success (that one wins)."""
+        self.running.pop(wire, None)
+        self.results_due.pop(wire, None)
+        if not result[0] and outlives_head(wire) and self.clock() < self.hold_until:
+            self.failed[wire] = result
+            return
+        self.failed.pop(wire, None)
+        if (job := self._claimed(wire, ours)) is not None:
+            self.deliver(job, *result)
+        elif outlives_head(wire):
+            self.finished[wire] = (result, self.clock())
+
+    def _claimed(self, wire, ours=False):
+        """The job ``wire`` if it waits here, held or queued (taken out), else None. A
+        head's own number is claimed only by a worker back at that head (``ours``): held by
+        jobs_held, or queued again once the hold ended. (Left queued, the job would be sent
+        to a worker again, perhaps this one, while this run is stopped.)"""
+        if not outlives_head(wire):
+            return (self.own_held.pop(wire, None) or self.claim(wire)) if ours else None
+        return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
+
+    def adopted(self, wire):
+        """The job ``wire``, which a worker came back with, was started there again: it is
+        that job's run now (not to be cancelled)."""
+        self.running.pop(wire, None)
+
+    def worker_left(self, w):
+        for wire in w.orphans:
+            self.running.pop(wire, None)
+        for wire, due in list(self.results_due.items()):
+            if due is w:  # (gone before the results it came back with)
+                del self.results_due[wire]
+                if (job := self.own_held.pop(wire, None)) is not None:
+                    self.push(job)
+
+    def hold_ended(self):
+        """At hold_until: queue the held jobs (``push``), telling their queues of those
+        whose workers did not come back."""
+        failed = self.failed
+        self.failed = {}
+        for wire, result in failed.items():  # no worker had a success for these
+            self.worker_finished(wire, result)
+        held = self.held
+        self.held = {}
+        away = {}  # (queue, held for any worker) -> the workers its held jobs wait for
+        for hold, jobs in self.held_for.items():
+            for job in jobs:
+                if held.get(job.wire) is job:
+                    away.setdefault((job.queue, hold is True), []).append(hold)
+        self.held_for = {}
+        for (queue, anyone), holds in away.items():
+            what = "may have been running" if anyone else \
+                f"were running on {', '.join(sorted(set(holds)))}"
+            queue.warn(f"{len(holds)} job(s) that {what} when the last head went run again: "
+                       f"no worker came back with them within {REJOIN_WAIT_S:g} s")
+        for job in held.values():
+            self.push(job)
+
+    def forget_unclaimed(self):
+        """Cancel the jobs workers came back with that no one claimed within ORPHAN_WAIT_S,
+        and forget such results."""
+        old = self.clock() - ORPHAN_WAIT_S
+        for wire, (w, since) in list(self.running.items()):
+            if since < old:
+                del self.running[wire]
+                w.cancel_orphan(wire)
+        self.finished = {wire: f for wire, f in self.finished.items() if f[1] >= old}
+
+
+class HeadCore:
+    """What every head is built on, a mission's own (GrainExecutor) or the shared one
+    (HeadDaemon): the Scheduler with its workers and queues, the Tally, the Retries and the
+    Reunion. It answers the worker protocol (see Workers): a job that ends gives its
+    resources back and lets queued jobs start, and a failure is retried while its class's
+    budget lasts, else the job ends. Its owner says how (the three methods at its end):
+    ``requeue`` a retry, ``deliver`` a pickled outcome, ``complete`` an ended job."""
+
+    def __init__(self, retries):
+        self.scheduler = Scheduler()
+        self.tally = Tally()
+        self.retries = retries
+        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
+        self.closing = False
+        self.instance = os.urandom(8).hex()  # which head this is, for workers that return
+        self.clock = _now
+        self.tasks = None  # the nursery of its timers (see start_head)
+
+    @staticmethod
+    def queue_held(push, job):
+        """A job the Reunion held for a worker that did not come back with it: queued again
+        (it may have been running here, held since its worker's connection went)."""
+        job.change("requeue")
+        push(job)
+
+    def add_worker(self, worker):
+        self.scheduler.add_worker(worker)
+
+    def remove_worker(self, worker):
+        self.scheduler.remove_worker(worker)
+
+    def worker_gone(self, w):
+        """A worker process's connection ended: it leaves the Scheduler, then the Reunion
+        (which queues again the jobs whose results it was to send)."""
+        self.remove_worker(w)
+        self.reunion.worker_left(w)
+
+    def worker_came_back(self, w, resume):
+        """``w`` registered saying what it ran while it had no head (``resume``: wire ->
+        its allocation, or None when it ended and its result follows): the jobs here that
+        wait for those are its again. (PeerError for a claim that makes no sense: what it
+        took so far goes back to the queue.)"""
+        try:
+            for wire, alloc in resume.items():
+                if alloc is not None:
+                    self.reunion.worker_runs(w, wire, alloc, w.ours)
+                else:
+                    self.reunion.result_follows(w, wire, w.ours)
+        except PeerError as e:
+            self.reunion.worker_left(w)
+            w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
+            raise
+        self.reunion.worker_back(w.ident, resume)
+
+    def orphan_adopted(self, job):
+        """A job ``job.worker`` came back running, unclaimed until now, is this job's run."""
+        self.reunion.adopted(job.wire)
+
+    def orphan_ended(self, w, wire, result=None):
+        """A run ``w`` came back with, that no job here had claimed, ended (``result``: how;
+        None: stopped, as asked): its resources take queued jobs now, and a job of this
+        head that waits for the result gets it."""
+        if (alloc := w.orphans.pop(wire, None)) is not None:
+            w.res.dealloc(alloc)
+            w.running -= 1
+            self.scheduler.grew(w)
+            self.scheduler.pump()
+        if result is not None:
+            self.reunion.worker_finished(wire, result, w.ours)
+
+    workers = property(lambda self: self.scheduler.workers)
+
+    def statistics(self):
+        return self.scheduler.statistics()
+
+    def explain(self):
+        return self.scheduler.explain()
+
+    # -- the worker protocol ---------------------------------------------------------
+    def job_ended(self, job, value, error, duration):
+        """A job of this process ended: its value, or the exception it raised."""
+        self.scheduler.release(job, ok=error is None)
+        job.duration = duration
+        self.settle(job, value, error)
+        self.pump()
+
+    def job_reported(self, job, ok, data, duration, kind):
+        """A remote worker's job ended: its value or exception, pickled. (Queued jobs start
+        once the worker's whole batch of results is in: its serve loop pumps then.)"""
+        self.scheduler.release(job, ok=ok)
+        self.deliver(job, ok, data, duration, kind)
+
+    def job_interrupted(self, job, kind, why):
+        """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
+        self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
+        self.pump()
+
+    def jobs_held(self, jobs):
+        """The jobs of a worker whose connection went while the worker itself may live on:
+        held (Reunion) for it to come back to this head with them, for as long as hold_jobs
+        waits, which then calls release_held."""
+        for job in jobs:
+            self.scheduler.release(job)
+            self.reunion.own_held[job.wire] = job
+
+    def still_held(self, jobs):
+        """Those of ``jobs`` that are held still: no worker came back with them yet."""
+        return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
+
+    def release_held(self, jobs, w, why, why_not):
+        """The hold of ``jobs`` is over: those still held are interrupted as lost, since
+        their worker ``w`` (which ``why``) did not come back with them (``why_not``)."""
+        if not (left := self.still_held(jobs)):
+            return
+        log.warning("worker %s: re-queueing its %d held job(s): %s", w.name, len(left), why_not)
+        for job in left:
+            del self.reunion.own_held[job.wire]
+            self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
+        self.pump()
+
+    def job_cancelled(self, job):
+        """A worker stopped a job as asked. When its caller still waits (the head had
+        queued it again while its worker was away, and that worker came back with the
+        run), it is queued again; else (its mission went away) it ends with no result."""
+        self.scheduler.release(job)
+        if self.may_retry(job):
+            job.change("requeue")
+            self.requeue(job)
+        else:
+            job.change("fail")
+        self.pump()
+
+    def job_sent(self, job):
+        """A job goes to a worker process, which knows it by ``job.wire`` (set it first)."""
+
+    def settle(self, job, value, error, kind=None, pickled=None):
+        """Retry a failure (of ``kind``, else its exception's class) while the budget
+        allows, else end the job."""
+        if error is not None:
+            kind = kind or self.retries.class_of(error)
+            if kind is not None and self.may_retry(job) and \
+                    self.retries.again(job, kind, error, self.tally):
+                job.change("requeue")
+                self.requeue(job)
+                self.pump()  # (a result a returning worker reported frees nothing else)
+                return
+        self.complete(job, value, error, kind, pickled)
+
+    def may_retry(self, job):
+        return True
+
+    def pump(self):
+        if self.scheduler.n_queued:
+            self.scheduler.pump()
+
+    # -- what its owner says: how a result reaches the job's caller ------------------
+    def deliver(self, job, ok, data, duration, kind):
+        """A job's outcome came pickled from a worker process (``kind``: its failure
+        class): settle it, or pass it on as it is."""
+        raise NotImplementedError
+
+    def requeue(self, job):
+        """Queue a job again that is to be retried."""
+        raise NotImplementedError
+
+    def complete(self, job, value, error, kind, pickled):
+        """A job ended for good: its value or error (or ``pickled``, as a worker sent it)."""
+        raise NotImplementedError
 
 
 ###############################################################################
@@ -6079,645 +6892,14 @@ async def _enter_backendless(stack, module, res):
 
 
 ###############################################################################
-# Scheduler ###################################################################
-###############################################################################
-# The queue policy, synchronous and free of I/O: which job starts on which worker, and
-# when. It sees jobs only through their attributes (queue, req, group, state, attempts,
-# alloc, worker, T) and starts one by ``worker.start(job)``, which never blocks; it reads
-# time through a clock it is given, so tests can drive it without trio.
-
-
-class JobQueue:
-    """The jobs of one mission waiting for resources, oldest first. An executor running a
-    mission in-process has one; a head daemon has one per attached mission."""
-
-    __slots__ = ("jobs", "name", "prioritized", "blocked_job", "blocked_since", "warned_at",
-                 "reserved", "run", "fits", "maybe")
-
-    def __init__(self, name, prioritized=False):
-        self.jobs = deque()
-        self.name = name
-        self.prioritized = prioritized
-        # the head job while it fits no worker, and since when
-        self.blocked_job = None
-        self.blocked_since = 0.0
-        self.warned_at = -math.inf
-        self.reserved = None         # the worker held for blocked_job after RESERVE_AFTER_S
-        self.run = 0                 # jobs right behind the first known to ask the same
-        self.fits = None  # a request
-        self.maybe = {}   # the workers that may have room for it
-
-    def unreserve(self):
-        """Give up the worker held for the blocked job (it started, or the queue is gone)."""
-        if (w := self.reserved) is not None:
-            self.reserved = None
-            if w.reserved_for is self.blocked_job:
-                w.reserved_for = None
-
-    def unblock(self):
-        """The blocked job started or left the queue: no worker is held for it, and should
-        it come back to the head of the queue (its worker lost, say), it waits from then,
-        not from when it first waited (a stuck warning would count the time it ran, and
-        it would hold a worker at once)."""
-        self.unreserve()
-        self.blocked_job = None
-
-    def warn(self, message):
-        """Tell the mission its queue is stuck (a daemon's mission queue forwards it)."""
-        log.warning("%s", message)
-
-
-def _now():
-    """trio's clock inside a run (so MockClock tests see it), the monotonic clock outside."""
-    try:
-        return trio.current_time()
-    except RuntimeError:
-        return time.monotonic()
-
-
-def _size_key(res):
-    """How large a provider is, for naming "the largest worker": (cores, memory)."""
-    c = _part(res, "Cores")
-    m = _part(res, "Memory")
-    return (c._total if c else 0, m._total if m else 0)
-
-
-def _same_request(a, b):
-    """``a == b`` for two job requests, cheap for the common ``Cores(n)``: the scheduler asks
-    it for many queued jobs."""
-    return type(a) is type(b) and (a is b or (a.N == b.N if type(a) is Cores else a == b))
-
-
-# What a stuck queue's warning, explain() and the status line say while no worker is there
-NONE_JOINED = "no worker has joined yet"
-NO_WORKER = f"{NONE_JOINED} (give run() local=..., or start workers with `python grain.py up`)"
-
-
-def no_worker_text(joined, hint=True):
-    """Why no worker runs anything when none is connected: none has joined yet (``hint``:
-    with how to start some), or the ``joined`` that did have all left."""
-    if joined:
-        return f"no worker is connected: the {joined} that joined have left"
-    return NO_WORKER if hint else NONE_JOINED
-
-SchedulerStatistics = namedtuple("SchedulerStatistics", "queued running workers next_request")
-SchedulerStatistics.__doc__ = "The queues and workers of a Scheduler at one moment."
-
-
-class Scheduler:
-    """Starts queued jobs on workers whose free resources can be allocated to them.
-
-    Within a queue (one per mission): first come, first served, with backfill. The oldest
-    job goes to the first worker that can allocate its request. When no worker can, later
-    jobs (up to BACKFILL_DEPTH behind it) that fit somewhere now start ahead of it, so a
-    large job does not leave cores idle behind it. So that the large job cannot starve,
-    once it has waited RESERVE_AFTER_S it reserves one worker (among those large enough,
-    the one with the most free): no other job starts there until it does, whichever
-    mission it comes from.
-
-    Between queues (the missions of a head daemon): those ``prioritized`` first; among
-    equals, one job per queue per round, and each pump starts its rounds one queue further
-    along, so a small mission is never stuck behind a large one's backlog.
-
-    The queues are looked at again (``pump()``) whenever a job is pushed, a worker joins
-    or an allocation comes back. The workers share one set of WTime group estimates.
-
-    A queue looks only at the workers that may have room for its oldest job's request
-    (``queue.maybe``): a worker found without room leaves it, and comes back when
-    resources come back to it (grew()). So with a thousand workers a job costs a look at
-    a few, not at all of them."""
-
-    def __init__(self, clock=_now):
-        self.workers = []
-        self.queues = []
-        self.n_queued = 0
-        self.joined = 0  # workers that ever joined: none left now means all of them went
-        self.group_times = _GroupTimes()
-        self.clock = clock
-
-    # -- workers and queues -------------------------------------------------------
-    def add_worker(self, w):
-        for wt in (_part(w.res, "WTime"), _part(w.total, "WTime")):
-            if wt is not None:
-                wt._groups = self.group_times
-        self.workers.append(w)
-        self.joined += 1
-        self.grew(w)
-        self.pump()
-
-    def remove_worker(self, w):
-        if w in self.workers:
-            self.workers.remove(w)
-            w.accepting = False  # (its jobs' resources come back after it went: grew())
-            for q in self.queues:
-                q.maybe.pop(w, None)
-
-    def grew(self, w):
-        """Resources came back to ``w`` (or it joined): each queue looks at it again."""
-        if w.accepting:
-            for q in self.queues:
-                if q.fits is not None:
-                    q.maybe[w] = None
-
-    def add_queue(self, queue):
-        self.queues.append(queue)
-
-    def remove_queue(self, queue):
-        """Forget a queue (its mission has gone); returns the jobs it still held."""
-        self.queues.remove(queue)
-        return self.take_queued(queue)
-
-    def take_queued(self, queue):
-        """Every job waiting in ``queue``, taken out."""
-        jobs = list(queue.jobs)
-        queue.jobs.clear()
-        self.n_queued -= len(jobs)
-        queue.unblock()
-        queue.run = 0
-        return jobs
-
-    # -- jobs -----------------------------------------------------------------------
-    def push(self, job):
-        """Queue a job (it has a request: jobs without one run at once, not here)."""
-        jobs = job.queue.jobs
-        jobs.append(job)
-        self.n_queued += 1
-        if len(jobs) == 1:
-            self.pump()
-        elif not _same_request(job.req, jobs[0].req):
-            self._backfill(job.queue, 1, len(jobs) - 1)  # behind a blocked job, it may fit
-
-    def push_front(self, job):
-        """Queue a job again ahead of the others (a retry: it came before them)."""
-        job.queue.jobs.appendleft(job)
-        job.queue.run = 0
-        self.n_queued += 1
-
-    def claim(self, wire):
-        """The job ``wire`` taken out of the queue it waits in (a worker came back running
-        it, or with its result), or None. A scan: this happens when a worker comes back."""
-        job = next((j for queue in self.queues for j in queue.jobs if j.wire == wire), None)
-        return job if job is not None and self.withdraw(job) else None
-
-    def withdraw(self, job):
-        """Take ``job`` out of its queue (a worker came back running it); False when it
-        is not waiting there (it started again meanwhile)."""
-        queue = job.queue
-        try:
-            queue.jobs.remove(job)
-        except ValueError:
-            return False
-        self.n_queued -= 1
-        queue.run = 0
-        if queue.blocked_job is job:
-            held = queue.reserved is not None
-            queue.unblock()
-            if held:
-                self.pump()  # the worker it held may take others now
-        return True
-
-    def launch(self, job, w, now=None):
-        """Allocate ``job`` its request on ``w`` and start it there (at ``now``)."""
-        if w.orphans and job.wire in w.orphans:  # it runs there already
-            w.adopt_orphan(job, self.clock() if now is None else now)
-            return
-        job.change("start")
-        job.alloc = w.res._take(job.req) if job.req is not ZERO else ZERO
-        if job.group is not None:
-            job.T = _part(job.alloc, "WTime").T  # the group's estimate, once known
-        job.worker = w
-        job.started = self.clock() if now is None else now
-        w.running += 1
-        w.busy.add(job)
-        w.start(job)
-
-    def release(self, job, ok=False):
-        """Give a job's allocation back to its worker, which it returns (only a run that
-        succeeded teaches its WTime group how long the group's runs take). The job keeps
-        ``alloc`` and ``worker``: where it ran last."""
-        w = job.worker
-        alloc = job.alloc
-        w.running -= 1
-        w.busy.discard(job)
-        if alloc is not ZERO:
-            if not ok and job.group is not None:
-                _part(alloc, "WTime")._since = None
-            w.res.dealloc(alloc)
-            self.grew(w)
-        return w
-
-    # -- the policy -----------------------------------------------------------------
-    def pump(self):
-        """Start queued jobs on workers that can allocate them (see the class)."""
-        queues = self.queues
-        if len(queues) <= 1:
-            if queues:
-                self._start_from(queues[0], -1)
-            return
-        while self.n_queued:
-            for tier in (True, False):
-                # (a list: every queue of the tier starts one before any() looks)
-                if any([self._start_from(q, 1) for q in queues
-                        if q.jobs and q.prioritized is tier]):
-                    break  # back to the prioritized tier: what started may have freed nothing
-            else:
-                break  # nothing started
-        queues.append(queues.pop(0))
-
-    def _start_from(self, queue, limit):
-        """Start up to ``limit`` (-1: any number of) jobs of ``queue``, oldest first, then
-        (backfill) later ones that fit while the oldest waits; returns how many started."""
-        jobs = queue.jobs
-        workers = self.workers
-        started = 0
-        now = self.clock()
-        while jobs and started != limit:
-            job = jobs[0]
-            req = job.req
-            if len(workers) > FEW_WORKERS:
-                w = self._first_fit(queue, job, req)
-            else:  # (a look at each costs less than keeping maybe)
-                for w in workers:
-                    if w.accepting and w.res.request(req) and (
-                            w.reserved_for is None or w.reserved_for is job):
-                        break
-                else:
-                    w = None
-            if w is None:
-                if queue.blocked_job is not job:
-                    if queue.reserved is not None:
-                        queue.unreserve()
-                    queue.blocked_job = job
-                    queue.blocked_since = now
-                else:
-                    self._reserve_if_starving(queue, job)
-                if len(jobs) > queue.run + 1:
-                    started += self._backfill(queue, limit - started if limit > 0 else -1)
-                return started
-            jobs.popleft()
-            if queue.run:
-                queue.run -= 1
-            if queue.blocked_job is not None:
-                queue.unblock()
-            self.n_queued -= 1
-            self.launch(job, w, now)
-            started += 1
-        return started
-
-    def _first_fit(self, queue, job, req):
-        """The first worker of ``queue.maybe`` (see the class) with room for ``job`` now;
-        those found without it leave maybe."""
-        if job.group is not None or not _same_request(req, queue.fits):  # all again
-            queue.fits = req if job.group is None else None  # (a group's T changes)
-            # (ordered by links: a plain dict keeps the slots of those that left, and a
-            # look for the first one would step over each, a thousand with 1,000 workers)
-            queue.maybe = OrderedDict.fromkeys(self.workers)
-        maybe = queue.maybe
-        full = []
-        for w in maybe:
-            if w.accepting and w.res.request(req):
-                if w.reserved_for is None or w.reserved_for is job:
-                    break
-            else:
-                full.append(w)
-        else:
-            w = None
-        for f in full:
-            del maybe[f]
-        return w
-
-    def _reserve_if_starving(self, queue, job):
-        """The oldest job of ``queue`` has fitted no worker since ``queue.blocked_since``;
-        once that is RESERVE_AFTER_S, hold a worker for it so that backfill cannot starve it."""
-        w = queue.reserved
-        if (w is not None and w.reserved_for is job and w.accepting and w in self.workers) or \
-                self.clock() - queue.blocked_since < RESERVE_AFTER_S:  # held already, or not yet
-            return
-        queue.reserved = None
-        could = [w for w in self.workers
-                 if w.accepting and w.reserved_for is None and w.total.request(job.req)]
-        if could:  # the one with the most free now: probably the first to have enough
-            w = max(could, key=lambda w: _size_key(w.res))
-            w.reserved_for = job
-            queue.reserved = w
-            log.info("job %s has waited %.0f s for %r: worker %s now takes no other job until it "
-                     "starts", job.name, self.clock() - queue.blocked_since, job.req, w.name)
-
-    def _backfill(self, queue, limit, first=None):
-        """Start up to ``limit`` (-1: any number of) jobs from behind the blocked head of
-        ``queue`` that fit a worker now (or only ``jobs[first:]``, for a new job).
-
-        ``queue.run`` counts the jobs right behind the head that ask for the same as it:
-        they cannot fit either, and each is compared once as the run grows, so a long queue
-        of identical jobs costs nothing per completion. Behind the run, at most
-        BACKFILL_DEPTH jobs are looked at; those asking for the same as one found not to fit
-        in this pass are skipped without a look at the workers."""
-        jobs = queue.jobs
-        head_req = jobs[0].req
-        n = len(jobs)
-        if first is None:
-            i = queue.run + 1
-            while i < n and _same_request(jobs[i].req, head_req):
-                i += 1
-            queue.run = i - 1
-            stop = min(n, i + BACKFILL_DEPTH)
-        else:
-            i = first
-            stop = n
-        failed = [head_req]
-        started = 0
-        while i < stop and started != limit:
-            job = jobs[i]
-            w = None
-            if not any(_same_request(job.req, f) for f in failed):
-                w = next((w for w in self.workers if w.accepting and w.reserved_for is None
-                          and w.res.request(job.req)), None)
-                if w is None:
-                    failed.append(job.req)
-            if w is None:
-                i += 1
-                continue
-            del jobs[i]
-            stop -= 1
-            self.n_queued -= 1
-            self.launch(job, w)
-            started += 1
-        return started
-
-    # -- watching -------------------------------------------------------------------
-    def stuck(self):
-        """``[(queue, warning)]`` for each queue whose oldest job has fitted no worker for
-        STUCK_WARN_S, again every STUCK_REPEAT_S while that lasts."""
-        now = self.clock()
-        out = []
-        for q in self.queues:
-            waited = now - q.blocked_since
-            if not (q.jobs and q.jobs[0] is q.blocked_job) or waited < STUCK_WARN_S \
-                    or now - q.warned_at < STUCK_REPEAT_S:
-                continue
-            q.warned_at = now
-            where = (f"the largest worker is {self.largest()}" if self.workers
-                     else no_worker_text(self.joined))
-            out.append((q, f"job {q.blocked_job.name} requesting "
-                           f"{request_text(q.blocked_job.req)} has fitted no worker for "
-                           f"{waited:.0f} s; {where}; {len(q.jobs)} job(s) queued"))
-        return out
-
-    def too_large(self, job):
-        """Why ``job`` fits no worker, even idle (None when one could run it)."""
-        if any(w.total.request(job.req) for w in self.workers):
-            return None
-        return (f"job {job.name} asks {request_text(job.req)}, more than any worker has" +
-                (f" (the largest: {self.largest()})" if self.workers else ""))
-
-    def largest(self):
-        """The largest worker and what it offers, in words ("w1 with 3 cores, 23.5 GB")."""
-        big = max(self.workers, key=lambda w: _size_key(w.total))
-        return f"{big.name} with {amounts_text(big.offered)}"
-
-    def explain(self):
-        """Why the oldest waiting job of each queue does not run: ``[{"queue", "job",
-        "request", "waited", "reason"}]``, the reason in words with its figures."""
-        now = self.clock()
-        out = []
-        for q in self.queues:
-            if q.jobs:
-                job = q.jobs[0]
-                waited = now - q.blocked_since if q.blocked_job is job else 0.0
-                out.append({"queue": q.name, "job": job.name, "request": request_text(job.req),
-                            "waited": round(waited, 1), "reason": self._why(q, job, now)})
-        return out
-
-    def _why(self, queue, job, now):
-        req = job.req
-        workers = self.workers
-        if not workers:
-            return no_worker_text(self.joined, hint=False)
-        if (w := queue.reserved) is not None:
-            return (f"it waited over {RESERVE_AFTER_S:g} s and holds worker {w.name}: "
-                    f"nothing else starts there until it fits (free on {w.name}: "
-                    f"{amounts_text(w.res)})")
-        token = _part(req, "Token")
-        tokens = sorted({t.token for w in workers for t in [_part(w.total, "Token")] if t})
-        if token is not None and token.token not in tokens:
-            return (f"its token {token.token!r} matches no worker (their tokens: "
-                    f"{', '.join(tokens) or 'none'})")
-        wt = _part(req, "WTime")
-        if wt is not None and wt.softT:
-            left, w = max(((_part(w.res, "WTime").remaining(), w) for w in workers),
-                          key=lambda lw: lw[0])
-            if left < wt.softT:
-                return (f"every worker has less walltime left than its softT "
-                        f"{format_walltime(wt.softT)}: the most is {format_walltime(left)}, "
-                        f"on {w.name}")
-        large = [w for w in workers if w.total.request(req)]
-        if not large:
-            return (f"no worker is large enough: it asks {request_text(req)}; the largest "
-                    f"is {self.largest()}")
-        room = [w for w in large if w.res.request(req)]
-        if room:
-            if all(w.reserved_for is not None for w in room):
-                return (f"the worker(s) with room are held for {room[0].reserved_for.name}, "
-                        f"which waited longer (reserved)")
-            return "a worker has room: it starts at the next pass"
-        busy = ", ".join(f"{w.name} ({w.running} running; free: {amounts_text(w.res)})"
-                         for w in large[:4])
-        more = f" and {len(large) - 4} more" if len(large) > 4 else ""
-        text = f"all {len(large)} worker(s) large enough are busy: {busy}{more}"
-        running = [j for w in large for j in w.busy if j.started is not None]
-        if running:
-            first = min(running, key=lambda j: (j.started + j.T if j.T else math.inf, j.started))
-            text += (f"; the first to free should be {first.name} on {first.worker.name} "
-                     f"(running for {format_walltime(now - first.started)}" +
-                     (f", its T ends in {format_walltime(first.started + first.T - now)})"
-                      if first.T else ", no T)"))
-        return text
-
-    def statistics(self):
-        heads = [q.jobs[0] for q in self.queues if q.jobs]
-        return SchedulerStatistics(self.n_queued, sum(w.running for w in self.workers),
-                                   [w.statistics() for w in self.workers],
-                                   min(heads, key=lambda j: j.id).req if heads else None)
-
-
-###############################################################################
 # Head service ################################################################
 ###############################################################################
 # Where workers and CLI clients reach a head -- a mission's own, or the head daemon --
 # at its address: the first message of a connection says who it is. A registered
 # worker is served until it leaves or is lost, and its running jobs go back to its
 # owner as interrupted; CLI commands are answered from a table of handlers. The owner is
-# a HeadCore -- what a mission's own head (GrainExecutor) and the HeadDaemon are built
-# on: the Scheduler, the tallies, the retries and the Reunion, answering the worker
-# protocol (see Workers) -- plus serve_mission(channel, info) and warn_all(text). A
-# worker that comes back after its head died is matched to the jobs of the new one by a
-# Reunion.
-
-
-class Reunion:
-    """Jobs and worker processes finding each other again after their head was replaced: a
-    head daemon died and another started, or a mission that was its own head was run
-    again. A worker that comes back reports, by wire id, the jobs it still runs and the
-    results of those that ended while it was alone; the owner offers it the jobs it has.
-    A job that was (or may have been) running when the old head went is held, for
-    REJOIN_WAIT_S after this head started at most, while its worker may still come back:
-    the worker it ran on, or (True) any of the ``expected`` ones, the old head's; once
-    they came back without it, it is queued (``push``). A job a worker comes back with
-    that no one claims within ORPHAN_WAIT_S is cancelled there. Whichever
-    comes first, the job or its worker's report, the other finds it: a report finds a job
-    that waits in the queue, held or not (``claim(wire)`` takes it out, or gives None).
-    (Only some wire ids outlive a head: see outlives_head. A head's own numbers are
-    claimed only by a worker that comes back to that same head, which tells its workers
-    who it is (``instance``): see HeadCore.jobs_held.)
-    ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
-
-    def __init__(self, deliver, clock=_now, claim=lambda wire: None, push=None):
-        self.deliver = deliver
-        self.clock = clock
-        self.claim = claim
-        self.push = push         # queues a job that waits no longer
-        self.held = {}           # wire -> job waiting for its worker to come back
-        self.held_for = {}       # worker (True: any expected) -> the jobs held for it
-        self.expected = {True}   # the workers the old head had (not known: one never back)
-        self.back = set()        # the workers that came back
-        self.reported = set()    # the wires of the jobs they came back with or ended
-        self.running = {}        # wire -> (worker, since) of jobs no one claimed yet
-        self.finished = {}       # wire -> ((ok, data, duration, kind), since) unclaimed
-        self.failed = {}         # wire -> a failure reported while jobs are held (see below)
-        self.own_held = {}       # wire -> job held with a hold of its own (jobs_held)
-        self.results_due = {}    # wire -> the worker back with its result, not read yet
-        self.hold_until = clock() + REJOIN_WAIT_S
-
-    def offer(self, job, hold=None):
-        """True when ``job`` is taken care of here: its result came back, its worker still
-        runs it, or it is held (``hold``: the worker it was running on when the last head
-        went, True: any expected one) while that worker may come back with it."""
-        wire = job.wire
-        if wire in self.finished:
-            self.deliver(job, *self.finished.pop(wire)[0])
-        elif wire in self.running:
-            w, _ = self.running.pop(wire)
-            w.adopt(job, w.orphans.pop(wire), self.clock())
-        elif hold and self.clock() < self.hold_until and (wire in self.reported or
-                                                          self._away(hold)):
-            self.held[wire] = job
-            self.held_for.setdefault(hold, []).append(job)
-        else:
-            return False
-        return True
-
-    def _away(self, hold):
-        """May the worker ``hold`` (True: any expected) still come back?"""
-        return not (self.expected if hold is True else {hold}) <= self.back
-
-    def worker_back(self, worker, reported):
-        """``worker`` came back with the jobs ``reported`` (running, or ended: their results
-        follow). The jobs held for it that it does not have are queued now; so are those
-        held for any expected worker once all came back."""
-        self.back.add(worker)
-        self.reported.update(reported)
-        for hold in (worker, True):
-            if not self._away(hold):
-                for job in self.held_for.pop(hold, ()):
-                    if self.held.get(job.wire) is job and job.wire not in self.reported:
-                        del self.held[job.wire]
-                        self.push(job)
-
-    def worker_runs(self, w, wire, alloc, ours=False):
-        """A worker came back still running the job ``wire`` with ``alloc`` (``ours``: to
-        the head it left, whose own numbers it may be)."""
-        if not isinstance(alloc, Resource):
-            raise PeerError(f"worker {w.name} says it runs job {wire!r} with {alloc!r:.60}")
-        w.res.claim(alloc)
-        w.running += 1
-        if (job := self._claimed(wire, ours)) is not None:
-            w.adopt(job, alloc, self.clock())
-            return
-        w.orphans[wire] = alloc
-        if not outlives_head(wire):  # its old head's number: no job here can claim it
-            w.cancel_orphan(wire)
-        else:
-            self.running[wire] = (w, self.clock())
-
-    def result_follows(self, w, wire, ours=False):
-        """A worker came back saying the result of job ``wire`` follows: the job is taken
-        out of the queue until it comes (else the queue could send it out again first, to
-        this very worker perhaps, under the same wire). Held by ``own_held`` meanwhile;
-        queued again if the worker goes before the result came (worker_left)."""
-        if (job := self._claimed(wire, ours)) is not None:
-            self.own_held[wire] = job
-            self.results_due[wire] = w
-
-    def worker_finished(self, wire, result, ours=False):
-        """A worker reports the result of a job that ended while it had no head. A failure
-        waits for the end of the hold: it may be one the last head retried on another
-        worker, which comes back with the job's success (that one wins)."""
-        self.running.pop(wire, None)
-        self.results_due.pop(wire, None)
-        if not result[0] and outlives_head(wire) and self.clock() < self.hold_until:
-            self.failed[wire] = result
-            return
-        self.failed.pop(wire, None)
-        if (job := self._claimed(wire, ours)) is not None:
-            self.deliver(job, *result)
-        elif outlives_head(wire):
-            self.finished[wire] = (result, self.clock())
-
-    def _claimed(self, wire, ours=False):
-        """The job ``wire`` if it waits here, held or queued (taken out), else None. A
-        head's own number is claimed only by a worker back at that head (``ours``): held by
-        jobs_held, or queued again once the hold ended. (Left queued, the job would be sent
-        to a worker again, perhaps this one, while this run is stopped.)"""
-        if not outlives_head(wire):
-            return (self.own_held.pop(wire, None) or self.claim(wire)) if ours else None
-        return self.own_held.pop(wire, None) or self.held.pop(wire, None) or self.claim(wire)
-
-    def adopted(self, wire):
-        """The job ``wire``, which a worker came back with, was started there again: it is
-        that job's run now (not to be cancelled)."""
-        self.running.pop(wire, None)
-
-    def worker_left(self, w):
-        for wire in w.orphans:
-            self.running.pop(wire, None)
-        for wire, due in list(self.results_due.items()):
-            if due is w:  # (gone before the results it came back with)
-                del self.results_due[wire]
-                if (job := self.own_held.pop(wire, None)) is not None:
-                    self.push(job)
-
-    def hold_ended(self):
-        """At hold_until: queue the held jobs (``push``), telling their queues of those
-        whose workers did not come back."""
-        failed = self.failed
-        self.failed = {}
-        for wire, result in failed.items():  # no worker had a success for these
-            self.worker_finished(wire, result)
-        held = self.held
-        self.held = {}
-        away = {}  # (queue, held for any worker) -> the workers its held jobs wait for
-        for hold, jobs in self.held_for.items():
-            for job in jobs:
-                if held.get(job.wire) is job:
-                    away.setdefault((job.queue, hold is True), []).append(hold)
-        self.held_for = {}
-        for (queue, anyone), holds in away.items():
-            what = "may have been running" if anyone else \
-                f"were running on {', '.join(sorted(set(holds)))}"
-            queue.warn(f"{len(holds)} job(s) that {what} when the last head went run again: "
-                       f"no worker came back with them within {REJOIN_WAIT_S:g} s")
-        for job in held.values():
-            self.push(job)
-
-    def forget_unclaimed(self):
-        """Cancel the jobs workers came back with that no one claimed within ORPHAN_WAIT_S,
-        and forget such results."""
-        old = self.clock() - ORPHAN_WAIT_S
-        for wire, (w, since) in list(self.running.items()):
-            if since < old:
-                del self.running[wire]
-                w.cancel_orphan(wire)
-        self.finished = {wire: f for wire, f in self.finished.items() if f[1] >= old}
+# a HeadCore (see Head state) plus serve_mission(channel, info) and warn_all(text). The
+# head's timers are here too: start_head starts them for a HeadCore.
 
 
 async def warn_of_stuck_queues(scheduler):
@@ -6733,176 +6915,6 @@ async def warn_of_stuck_queues(scheduler):
 # the format of the pair). GPUs get a column only when some worker has one.
 LS_AMOUNTS = (("cores", "Cores", "{}/{}"), ("memory", "Memory", "{:g}/{:g} GB"),
               ("gpus", "Gpus", "{:g}/{}"))
-
-
-class HeadCore:
-    """What every head is built on, a mission's own (GrainExecutor) or the shared one
-    (HeadDaemon): the Scheduler with its workers and queues, the Tally, the Retries and the
-    Reunion. It answers the worker protocol (see Workers): a job that ends gives its
-    resources back and lets queued jobs start, and a failure is retried while its class's
-    budget lasts, else the job ends. Its owner says how (the three methods at its end):
-    ``requeue`` a retry, ``deliver`` a pickled outcome, ``complete`` an ended job."""
-
-    def __init__(self, retries):
-        self.scheduler = Scheduler()
-        self.tally = Tally()
-        self.retries = retries
-        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
-        self.closing = False
-        self.instance = os.urandom(8).hex()  # which head this is, for workers that return
-        self.clock = _now
-        self.tasks = None  # the nursery of its timers (see start_head)
-
-    @staticmethod
-    def queue_held(push, job):
-        """A job the Reunion held for a worker that did not come back with it: queued again
-        (it may have been running here, held since its worker's connection went)."""
-        job.change("requeue")
-        push(job)
-
-    def add_worker(self, worker):
-        self.scheduler.add_worker(worker)
-
-    def remove_worker(self, worker):
-        self.scheduler.remove_worker(worker)
-
-    def worker_gone(self, w):
-        """A worker process's connection ended: it leaves the Scheduler, then the Reunion
-        (which queues again the jobs whose results it was to send)."""
-        self.remove_worker(w)
-        self.reunion.worker_left(w)
-
-    def worker_came_back(self, w, resume):
-        """``w`` registered saying what it ran while it had no head (``resume``: wire ->
-        its allocation, or None when it ended and its result follows): the jobs here that
-        wait for those are its again. (PeerError for a claim that makes no sense: what it
-        took so far goes back to the queue.)"""
-        try:
-            for wire, alloc in resume.items():
-                if alloc is not None:
-                    self.reunion.worker_runs(w, wire, alloc, w.ours)
-                else:
-                    self.reunion.result_follows(w, wire, w.ours)
-        except PeerError as e:
-            self.reunion.worker_left(w)
-            w.interrupt_all(RETRY_LOST, f"was dropped ({e})")
-            raise
-        self.reunion.worker_back(w.ident, resume)
-
-    def orphan_adopted(self, job):
-        """A job ``job.worker`` came back running, unclaimed until now, is this job's run."""
-        self.reunion.adopted(job.wire)
-
-    def orphan_ended(self, w, wire, result=None):
-        """A run ``w`` came back with, that no job here had claimed, ended (``result``: how;
-        None: stopped, as asked): its resources take queued jobs now, and a job of this
-        head that waits for the result gets it."""
-        if (alloc := w.orphans.pop(wire, None)) is not None:
-            w.res.dealloc(alloc)
-            w.running -= 1
-            self.scheduler.grew(w)
-            self.scheduler.pump()
-        if result is not None:
-            self.reunion.worker_finished(wire, result, w.ours)
-
-    workers = property(lambda self: self.scheduler.workers)
-
-    def statistics(self):
-        return self.scheduler.statistics()
-
-    def explain(self):
-        return self.scheduler.explain()
-
-    # -- the worker protocol ---------------------------------------------------------
-    def job_ended(self, job, value, error, duration):
-        """A job of this process ended: its value, or the exception it raised."""
-        self.scheduler.release(job, ok=error is None)
-        job.duration = duration
-        self.settle(job, value, error)
-        self.pump()
-
-    def job_reported(self, job, ok, data, duration, kind):
-        """A remote worker's job ended: its value or exception, pickled. (Queued jobs start
-        once the worker's whole batch of results is in: its serve loop pumps then.)"""
-        self.scheduler.release(job, ok=ok)
-        self.deliver(job, ok, data, duration, kind)
-
-    def job_interrupted(self, job, kind, why):
-        """A job's worker went away while running it (``kind``: RETRY_LOST or RETRY_RETIRED)."""
-        self.settle(job, None, interrupted(job, self.scheduler.release(job), kind, why), kind)
-        self.pump()
-
-    def jobs_held(self, jobs):
-        """The jobs of a worker whose connection went while the worker itself may live on:
-        held (Reunion) for it to come back to this head with them, for as long as hold_jobs
-        waits, which then calls release_held."""
-        for job in jobs:
-            self.scheduler.release(job)
-            self.reunion.own_held[job.wire] = job
-
-    def still_held(self, jobs):
-        """Those of ``jobs`` that are held still: no worker came back with them yet."""
-        return [job for job in jobs if self.reunion.own_held.get(job.wire) is job]
-
-    def release_held(self, jobs, w, why, why_not):
-        """The hold of ``jobs`` is over: those still held are interrupted as lost, since
-        their worker ``w`` (which ``why``) did not come back with them (``why_not``)."""
-        if not (left := self.still_held(jobs)):
-            return
-        log.warning("worker %s: re-queueing its %d held job(s): %s", w.name, len(left), why_not)
-        for job in left:
-            del self.reunion.own_held[job.wire]
-            self.settle(job, None, interrupted(job, w, RETRY_LOST, why), RETRY_LOST)
-        self.pump()
-
-    def job_cancelled(self, job):
-        """A worker stopped a job as asked. When its caller still waits (the head had
-        queued it again while its worker was away, and that worker came back with the
-        run), it is queued again; else (its mission went away) it ends with no result."""
-        self.scheduler.release(job)
-        if self.may_retry(job):
-            job.change("requeue")
-            self.requeue(job)
-        else:
-            job.change("fail")
-        self.pump()
-
-    def job_sent(self, job):
-        """A job goes to a worker process, which knows it by ``job.wire`` (set it first)."""
-
-    def settle(self, job, value, error, kind=None, pickled=None):
-        """Retry a failure (of ``kind``, else its exception's class) while the budget
-        allows, else end the job."""
-        if error is not None:
-            kind = kind or self.retries.class_of(error)
-            if kind is not None and self.may_retry(job) and \
-                    self.retries.again(job, kind, error, self.tally):
-                job.change("requeue")
-                self.requeue(job)
-                self.pump()  # (a result a returning worker reported frees nothing else)
-                return
-        self.complete(job, value, error, kind, pickled)
-
-    def may_retry(self, job):
-        return True
-
-    def pump(self):
-        if self.scheduler.n_queued:
-            self.scheduler.pump()
-
-    # -- what its owner says: how a result reaches the job's caller ------------------
-    def deliver(self, job, ok, data, duration, kind):
-        """A job's outcome came pickled from a worker process (``kind``: its failure
-        class): settle it, or pass it on as it is."""
-        raise NotImplementedError
-
-    def requeue(self, job):
-        """Queue a job again that is to be retried."""
-        raise NotImplementedError
-
-    def complete(self, job, value, error, kind, pickled):
-        """A job ended for good: its value or error (or ``pickled``, as a worker sent it)."""
-        raise NotImplementedError
 
 
 def start_head(core, nursery, push):
