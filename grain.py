@@ -4407,6 +4407,19 @@ class BridgeServer:
 
 GPU_VARIABLES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_ENVIRON = [({}, {})]  # os.environ as it was last read: (its bytes, its text)
+
+
+def _environ():
+    """os.environ as text, read anew only when it changed: decoding it whole was a tenth of
+    the event loop's time a program (a mission may still set a variable between two)."""
+    raw = getattr(os.environ, "_data", None)  # (CPython's own: the variables, as bytes)
+    if raw is None:
+        return os.environ
+    seen, text = _ENVIRON[0]
+    if raw != seen:
+        seen, text = _ENVIRON[0] = (dict(raw), dict(os.environ))
+    return text
 
 
 def job_env(env=None, res=None):
@@ -4414,7 +4427,7 @@ def job_env(env=None, res=None):
     with the job's GPUs in CUDA_VISIBLE_DEVICES (ROCR_VISIBLE_DEVICES on AMD) and its core
     count in OMP_NUM_THREADS, MKL_NUM_THREADS and OPENBLAS_NUM_THREADS. ``res``: the
     allocation (default GVAR.res). A job without Gpus leaves the GPU variables alone."""
-    env = dict(os.environ if env is None else env)
+    env = dict(_environ() if env is None else env)
     res = _RES.get() if res is None else res
     if res is None:
         return env

@@ -2623,6 +2623,29 @@ def test_a_local_jobs_program_writes_its_stderr_to_the_job_log(tmp_path):
 
 
 @trio_test
+async def test_a_programs_environment_is_the_missions_as_it_is_when_the_program_starts(
+        monkeypatch):
+    # The environment read once is kept until os.environ changes: a variable set, changed
+    # or removed between two programs is what the next one gets.
+    async def probe():
+        done = await grain.run_program('echo "${GRAIN_PROBE-unset}|$OMP_NUM_THREADS"',
+                                       stdout=subprocess.PIPE)
+        return done.stdout.decode().strip()
+
+    async with grain.GrainExecutor(rpw=Cores(2)) as exer:
+        monkeypatch.delenv("GRAIN_PROBE", raising=False)
+        seen = [await exer.submit(Cores(1), probe)]
+        for value in ("a", "b"):
+            monkeypatch.setenv("GRAIN_PROBE", value)
+            seen.append(await exer.submit(Cores(2), probe))
+        monkeypatch.delenv("GRAIN_PROBE")
+        seen.append(await exer.submit(Cores(1), probe))
+    assert seen == ["unset|1", "a|2", "b|2", "unset|1"]
+    assert grain.job_env({"A": "1"}, Cores(1)) == {"A": "1", **dict.fromkeys(
+        grain.THREAD_VARIABLES, "1")}   # (an environment given: that one)
+
+
+@trio_test
 async def test_run_program_pins_sets_the_environment_and_reports_failures(tmp_path, capsys):
     cores = sorted(os.sched_getaffinity(0))
     async with grain.GrainExecutor(rpw=Cores(cores) & Gpus(4)) as exer:
