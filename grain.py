@@ -2657,8 +2657,10 @@ class Scheduler:
 #     feed it and the timers that drive it (start_head, keep_reunion, hold_jobs) are
 #     the head service's, and time comes in only through the clock it is given;
 #   - a job moves only by Job.change, along JOB_LIFE;
-#   - what it asks of a worker goes through the worker's methods (start, cancel,
-#     cancel_orphan), which queue messages and never block.
+#   - a worker's bookkeeping (its free resources, its runs, the runs it came back with)
+#     is kept here and in the Scheduler; what a worker is to do goes through its methods
+#     (start, cancel, adopt, cancel_orphan, interrupt_all), which never block: what goes
+#     to a worker process is queued on its channel.
 
 
 class Reunion:
@@ -6692,6 +6694,11 @@ class Worker:
     def start(self, job):
         raise NotImplementedError
 
+    def cancel_orphan(self, wire):
+        """Stop the run ``wire`` at the worker process (one it came back with, that no job
+        here claims): a remote or a specialized worker's, which have a channel."""
+        self.channel.send(("cancel", wire))
+
     def adopt(self, job, alloc, now):
         """``job`` runs here already, with ``alloc``: this worker came back to this head
         with it (see Reunion). ``now``: its start, for this head's totals (its duration is
@@ -6847,10 +6854,6 @@ class RemoteWorker(Worker):
         """(Its resources come back when the worker confirms, or reports it done anyway.)"""
         if job.wire in self.jobs:
             self.cancel_orphan(job.wire)
-
-    def cancel_orphan(self, wire):
-        """Stop the run ``wire`` here (one it came back with, that no job claims)."""
-        self.channel.send(("cancel", wire))
 
     def on_cancelled(self, jid):
         if (job := self.jobs.pop(jid, None)) is not None:

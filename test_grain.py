@@ -6098,6 +6098,16 @@ def test_a_new_head_matches_jobs_to_the_workers_that_come_back():
     assert not reunion.offer(job("e"), hold=True)                 # too late to hold
 
 
+def test_a_run_no_head_can_claim_is_stopped_at_any_worker_that_comes_back_with_it():
+    # The old head's own number names no job here: the run is stopped at once, whether a
+    # remote worker or a specialized one (which runs no job of its own) claims to run it.
+    for w in (_returning_worker(), grain.SpecializedWorker(
+            None, Cores([0, 1]), "sw", None, None, _FakeChannel(), 7, "host", None)):
+        reunion = grain.Reunion(None)
+        reunion.worker_runs(w, 5, Cores([0]))
+        assert w.channel.sent == [("cancel", 5)] and w.orphans == {5: Cores([0])}, w
+
+
 def test_a_worker_that_comes_back_after_its_job_was_queued_unheld_finds_it():
     # A mission killed within STORE_FLUSH_S of sending its jobs left
     # no "running" entry, so the next run queued them unheld; then their workers came back
