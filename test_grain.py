@@ -2541,18 +2541,23 @@ def test_ctrl_c_stores_no_interrupted_job_as_failed(tmp_path, moment):
     # result is on its way to the store, with two done and two running
     store, go, script = tmp_path / "r.db", tmp_path / "go", tmp_path / "mission.py"
     script.write_text(INTERRUPTED_MISSION.format(here=HERE, go=str(go), store=str(store)))
-    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        seen = []
-        while moment not in seen:
-            seen.append(p.stdout.readline().strip())
-            assert seen[-1], p.stderr.read()
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-        p.communicate()
+    # (stdout is read through its buffer to the end, not by communicate(), which reads the
+    # pipe itself: a line readline() had buffered, "end 1" behind "end 0", would be lost)
+    with open(tmp_path / "err", "w+") as stderr:
+        p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            seen = []
+            while moment not in seen:
+                seen.append(p.stdout.readline().strip())
+                assert seen[-1], (tmp_path / "err").read_text()
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=60)
+            out = p.stdout.read()
+        finally:
+            p.kill()
+            p.communicate()
+    err = (tmp_path / "err").read_text()
     assert p.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
     assert "retrying" not in err and "subprocess_pool_scope" not in err, err
     ended = {int(line.split()[1]) for line in seen + out.splitlines() if line.startswith("end")}
