@@ -2656,7 +2656,9 @@ class Scheduler:
 #   - nothing here awaits, sleeps, or reads a socket or a file: the connections that
 #     feed it and the timers that drive it (start_head, keep_reunion, hold_jobs) are
 #     the head service's, and time comes in only through the clock it is given;
-#   - a job moves only by Job.change, along JOB_LIFE;
+#   - a job moves only by Job.change, along JOB_LIFE, called here and by the Scheduler
+#     (start) and a worker (adopt): the executor and the head daemon end, report or
+#     queue a job again through HeadCore's end, reported and queue_again;
 #   - a worker's bookkeeping (its free resources, its runs, the runs it came back with)
 #     is kept here and in the Scheduler; what a worker is to do goes through its methods
 #     (start, cancel, adopt, cancel_orphan, interrupt_all), which never block: what goes
@@ -2841,7 +2843,7 @@ class HeadCore:
         self.scheduler = Scheduler()
         self.tally = Tally()
         self.retries = retries
-        self.reunion = Reunion(self.deliver, claim=self.scheduler.claim)
+        self.reunion = Reunion(self.reported, claim=self.scheduler.claim)
         self.closing = False
         self.instance = os.urandom(8).hex()  # which head this is, for workers that return
         self.clock = _now
@@ -2919,6 +2921,12 @@ class HeadCore:
         """A remote worker's job ended: its value or exception, pickled. (Queued jobs start
         once the worker's whole batch of results is in: its serve loop pumps then.)"""
         self.scheduler.release(job, ok=ok)
+        self.reported(job, ok, data, duration, kind)
+
+    def reported(self, job, ok, data, duration, kind):
+        """A worker process's outcome of ``job`` came, pickled: a run of it took place (see
+        JOB_LIFE's report), and its owner settles the outcome or passes it on."""
+        job.change("report")
         self.deliver(job, ok, data, duration, kind)
 
     def job_interrupted(self, job, kind, why):
@@ -2955,8 +2963,7 @@ class HeadCore:
         run), it is queued again; else (its mission went away) it ends with no result."""
         self.scheduler.release(job)
         if self.may_retry(job):
-            job.change("requeue")
-            self.requeue(job)
+            self.queue_again(job)
         else:
             job.change("fail")
         self.pump()
@@ -2971,14 +2978,25 @@ class HeadCore:
             kind = kind or self.retries.class_of(error)
             if kind is not None and self.may_retry(job) and \
                     self.retries.again(job, kind, error, self.tally):
-                job.change("requeue")
-                self.requeue(job)
+                self.queue_again(job)
                 self.pump()  # (a result a returning worker reported frees nothing else)
                 return
         self.complete(job, value, error, kind, pickled)
 
     def may_retry(self, job):
         return True
+
+    def queue_again(self, job):
+        """``job`` is to run again (a retry, or a run another head may still hold): its
+        owner queues it."""
+        job.change("requeue")
+        self.requeue(job)
+
+    def end(self, job, ok, kind=None):
+        """``job`` ended for good: it succeeded (``ok``), or failed, of class ``kind``."""
+        job.change("succeed" if ok else "fail")
+        job.kind = None if ok else kind
+        job.ended = self.clock()
 
     def pump(self):
         if self.scheduler.n_queued:
@@ -4409,7 +4427,7 @@ class BridgeServer:
 
 GPU_VARIABLES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-_ENVIRON = [({}, {})]  # os.environ as it was last read: (its bytes, its text)
+_ENVIRON = {}  # os.environ as it was last read: its "bytes", and as "text"
 
 
 def _environ():
@@ -4418,10 +4436,9 @@ def _environ():
     raw = getattr(os.environ, "_data", None)  # (CPython's own: the variables, as bytes)
     if raw is None:
         return os.environ
-    seen, text = _ENVIRON[0]
-    if raw != seen:
-        seen, text = _ENVIRON[0] = (dict(raw), dict(os.environ))
-    return text
+    if raw != _ENVIRON.get("bytes"):
+        _ENVIRON.update(bytes=dict(raw), text=dict(os.environ))
+    return _ENVIRON["text"]
 
 
 def job_env(env=None, res=None):
@@ -6939,7 +6956,7 @@ def start_head(core, nursery, push):
     warnings of stuck queues. From now on its clock is the run's clock's own method, read
     several times a job: a third of the calls of trio.current_time()."""
     core.clock = core.scheduler.clock = trio.lowlevel.current_clock().current_time
-    core.reunion = Reunion(core.deliver, clock=core.clock, claim=core.scheduler.claim,
+    core.reunion = Reunion(core.reported, clock=core.clock, claim=core.scheduler.claim,
                            push=functools.partial(core.queue_held, push))
     core.tasks = nursery
     nursery.start_soon(keep_reunion, core.reunion)
@@ -8002,7 +8019,6 @@ class GrainExecutor(HeadCore):
             job.number_on_wire(self._wire_base)  # shares one int for both: 36 bytes fewer)
 
     def deliver(self, job, ok, data, duration, kind):
-        job.change("report")
         if job.started is None:  # (it ran for the last head, and ended while there was none)
             job.started = _now() - duration
         job.duration = duration
@@ -8018,15 +8034,13 @@ class GrainExecutor(HeadCore):
     def complete(self, job, value, error, kind=None, pickled=None):
         if error is None:
             job.value = value
-            job.change("succeed")
         else:
             self.retries.note(job, error, kind)
             if str(error).startswith(PAST_T):  # (said where its T passed: here is its name)
                 error.args = (f"job {job.name} {error}",)
             job.error = error
-            job.change("fail")
-            job.kind = kind = kind or failure_class(error)
-        job.ended = self.clock()
+            kind = kind or failure_class(error)
+        self.end(job, error is None, kind)
         if job.key is not None and job.attempts:
             self.stored.record(job, value, error, kind, pickled)
         if not _asks_nothing(job.req):
@@ -8042,8 +8056,7 @@ class GrainExecutor(HeadCore):
         (not a retry: they may still be running; see MissionLink)."""
         for job in reversed(jobs):
             self.scheduler.release(job)
-            job.change("requeue")
-            self._queue(job, front=True)
+            self.queue_again(job)
 
     def fail_queued(self, why):
         """Fail every queued job with GrainError(why) (the head daemon cannot be reached)."""
@@ -9370,7 +9383,7 @@ class HeadDaemon(HeadCore):
     def deliver(self, job, ok, data, duration, kind):
         """A job of a mission ended: count it and pass its result on, if the mission is
         still there."""
-        job.change("succeed" if ok else "fail")
+        self.end(job, ok, kind)
         self.tally.ended(job.state, kind)
         m = job.queue
         if m.gone:

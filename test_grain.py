@@ -5966,7 +5966,7 @@ async def test_a_failure_a_returning_worker_reported_is_retried_at_once(autojump
         job = exer.submit(Cores(1), work)
         assert exer.scheduler.withdraw(job)   # (as the reunion holds it)
         exer.add_local_worker(Cores(1), "w")
-        exer.deliver(job, False, grain.pickled_failure(ConnectionResetError("once")), 1.0,
+        exer.reported(job, False, grain.pickled_failure(ConnectionResetError("once")), 1.0,
                      "raised")
         with trio.fail_after(1):
             assert await job == "ok"
