@@ -286,6 +286,8 @@ class Scenario:
         with open(self.mission_log.name) as f:
             text = f.read().rsplit("Traceback (most recent call last)", 1)
         last = text[-1].strip().splitlines()
+        while last and last[-1].startswith("grain: "):  # its notes, which Python prints
+            last.pop()                                  # after it: which job it was
         ok = len(text) > 1 and last and last[-1].startswith("grain.") and \
             f'File "{self.script}", line' in text[-1]
         self.log(f"mission run {self.attempt} failed: {last[-1] if last else '?'}"
