@@ -6567,6 +6567,8 @@ class MissionResults:
         self._counts = {}
         self._unkeyable = set()
         self._sent = {}  # wire -> job sent to a worker process since the last write
+        self._due = trio.Event()  # set: write now, not at the next STORE_FLUSH_S
+        self._waiting = None      # write_now's callers' events, while keep runs
 
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run).
@@ -6631,25 +6633,46 @@ class MissionResults:
                           None if error is None else f"{type(error).__name__}: {error}",
                           kind, job.duration, None if error is None else job.call)
 
+    async def write_now(self):
+        """Return once what was recorded until now is in the store (``keep`` writes it;
+        when it has ended, the store's close does)."""
+        if self._waiting is not None:
+            written = trio.Event()
+            self._waiting.append(written)
+            self._due.set()
+            await written.wait()
+
     async def keep(self):
         """Write recorded results every STORE_FLUSH_S; say the store is held."""
         beat = trio.current_time()
         self.store.start_writer()
-        while True:
-            await trio.sleep(STORE_FLUSH_S)
-            sent = self._sent
-            self._sent = {}
-            for wire, job in sent.items():  # (and where: see known)
-                self.store.record(wire, self._functions[job.fn][1], "running", job.worker.ident)
-            rows = self.store.take()
-            try:
-                await self.store.send(rows)
-            except BaseException:  # (cancelled at the end: the store's close writes them)
-                self.store.put_back(rows)
-                raise
-            if trio.current_time() - beat > STORE_BEAT_S:
-                beat = trio.current_time()
-                self.store.beat()
+        self._waiting = waiting = []
+        try:
+            while True:
+                with trio.move_on_after(STORE_FLUSH_S):
+                    await self._due.wait()
+                self._due = trio.Event()
+                waiting, self._waiting = self._waiting, []
+                sent = self._sent
+                self._sent = {}
+                for wire, job in sent.items():  # (and where: see known)
+                    self.store.record(wire, self._functions[job.fn][1], "running",
+                                      job.worker.ident)
+                rows = self.store.take()
+                try:
+                    await self.store.send(rows)
+                except BaseException:  # (cancelled at the end: the store's close writes them)
+                    self.store.put_back(rows)
+                    raise
+                for written in waiting:
+                    written.set()
+                if trio.current_time() - beat > STORE_BEAT_S:
+                    beat = trio.current_time()
+                    self.store.beat()
+        finally:  # (its callers go on: the store's close writes what they wait for)
+            for written in waiting + (self._waiting or []):
+                written.set()
+            self._waiting = None
 
 
 ###############################################################################
@@ -8164,6 +8187,12 @@ class GrainExecutor(HeadCore):
             self.closing = True
             if self.service is not None:
                 with trio.CancelScope(shield=True):
+                    # The results delivered are stored before the workers, which would
+                    # bring them to a run again after a crash, are let go (a kill at the
+                    # end of a mission cannot lose them then).
+                    if self.stored is not None:
+                        with trio.move_on_after(FLUSH_S):
+                            await self.stored.write_now()
                     await self.service.say_goodbye(abort=etype is not None)
             try:  # (a Ctrl-C that trio raised in a task of its nursery comes out here)
                 await self._close()

@@ -4750,6 +4750,30 @@ async def test_a_remote_result_is_stored_as_its_worker_pickled_it(workers, tmp_p
     assert type(grain.loads_job_value(data)) is OnlyItsWorkerPickles
 
 
+@trio_test
+async def test_a_missions_results_are_stored_before_its_workers_are_let_go(workers, tmp_path,
+                                                                          monkeypatch):
+    # A mission killed as it ends, after its goodbye: the workers have dropped the results
+    # they would have brought to its next run, so these must be in the store already. (A
+    # result delivered less than a write's interval before the goodbye was run again.)
+    monkeypatch.setattr(grain, "STORE_FLUSH_S", 3600.0)  # (no periodic write comes first)
+    store = tmp_path / "r.db"
+    seen = []
+    async with grain.GrainExecutor(listen="tcp://127.0.0.1:0", results=str(store)) as exer:
+        workers.start("--url", exer.urls["tcp"], "--res", '{"Cores": {"N": 1}}')
+        await exer.wait_for_workers(1)
+        goodbye = exer.service.say_goodbye
+
+        async def read_store_then_say_goodbye(abort=False):
+            with contextlib.closing(sqlite3.connect(store)) as db:
+                seen.extend(db.execute("SELECT state, value FROM results_log").fetchall())
+            await goodbye(abort)
+
+        exer.service.say_goodbye = read_store_then_say_goodbye
+        assert await exer.submit(Cores(1), _square, 3) == 9
+    assert seen == [("done", 9)]
+
+
 def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path):
     store = tmp_path / "r.db"
     calls = []
