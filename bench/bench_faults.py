@@ -35,6 +35,7 @@ After each scenario it checks:
 A failing scenario prints its seed and the command that replays it. The last line:
 "N scenarios: L lost, D ran twice without a killed worker, H hung, B left behind, ..."."""
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -515,7 +516,13 @@ class Scenario:
 
     def stop_all(self):
         """Stop the scenario's processes as a user would (SIGTERM to the workers, the
-        daemon quits when idle); what still lives after that is left behind."""
+        daemon quits when idle); what still lives after that is left behind. A process still
+        stopped (the scenario ended before its SIGCONT was due) is let go on first: a user
+        who stopped it would, and a stopped process acts on no signal but SIGKILL."""
+        for _, pid in self.resume_at:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.resume_at = []
         for p, _ in self.workers:
             if p.poll() is None:
                 for sig in (signal.SIGCONT, signal.SIGTERM):
