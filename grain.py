@@ -9917,7 +9917,8 @@ _COMMAND_LINE = [
         (("-n",), dict(type=int, default=1, metavar="N", help="how many (default 1)")),
         (("--array",), dict(action="store_true", help="as one array job (as "
                             "script.array = true)"))]),
-    ("down", "cancel every worker or head job grain submitted", ("config",), []),
+    ("down", "cancel every worker or head job grain submitted (and turn the head's "
+             "autoscaling off)", _AT_HEAD, []),
     ("pack", "build grain.pyz: grain.py with trio and dill inside, for machines without pip",
      (), [(("-o", "--output"), dict(default="grain.pyz", metavar="FILE")),
           (("--python",), dict(metavar="X.Y", help="the target Python (default: this one)")),
@@ -9985,7 +9986,30 @@ class _CliTarget(namedtuple("_CliTarget", "settings address key why")):
     there is no key file, so no head of ours is there) and what to say when none answers."""
 
     def nobody(self):
+        if self.why.startswith(_KEYLESS):  # (one is there: the key is what is missing)
+            return GrainError(self.why)
         return GrainError(f"no head is listening at {self.address} ({self.why})")
+
+
+_KEYLESS = "a head listens at"
+
+
+def _head_seems_there(address):
+    """Whether a head seems to listen at ``address``, asked with no key (so no handshake):
+    its Edge file's live record (True, or the key file it names), or a socket that takes
+    a connection."""
+    with contextlib.suppress(GrainError, OSError, ValueError):
+        scheme, host, where = parse_url(address)
+        if scheme == "edge":
+            record = EdgeFile(where)._read()["listener"]
+            return EdgeFile.live(record) and (record.get("key") or True)
+        if scheme in ("tcp", "unix"):
+            with socket.socket(socket.AF_UNIX if scheme == "unix" else socket.AF_INET6
+                               if ":" in host else socket.AF_INET) as probe:
+                probe.settimeout(1)
+                probe.connect(where if scheme == "unix" else (host, where))
+                return True
+    return False
 
 
 def _cli_target(args):
@@ -10001,6 +10025,10 @@ def _cli_target(args):
     key_path = args.key or s.auth_key
     address = args.address or s.cli_dial
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
+        if theirs := _head_seems_there(address):
+            return _CliTarget(s, address, None, f"{_KEYLESS} {address} ({origin}), but there "
+                              f"is no key file at {key_path} to speak to it: copy the head's "
+                              f"key{f' ({theirs})' if theirs is not True else ''} there")
         return _CliTarget(s, address, None, f"{origin}; no key file at {key_path} either: a "
                           "head makes its key when it starts")
     return _CliTarget(s, address, load_auth_key(key_path, s.tls_cert, s.tls_key), origin)
@@ -10167,6 +10195,13 @@ def _cmd_start(args):
 
 def _cmd_down(args):
     cfg = load_config(args.config)
+    # A head that keeps a swarm would submit workers again for those cancelled here.
+    with contextlib.suppress(GrainError):
+        target = _cli_target(args)
+        stats = target.key and trio_run(cli_request, target.address, target.key, "stats")
+        if stats and (stats.get("swarm") or {}).get("target"):
+            _cli_call(target, "scale", 0)
+            print("turned the head's autoscaling off (`grain.py scale N` turns it on again)")
     custom = cfg.role("worker").custom_system
     books = {b.path: b for b in (JobBook(cfg.role("worker").dial),
                                  JobBook(cfg.role("head").listen))}
@@ -10279,6 +10314,9 @@ def main(argv=None):
         return 2 if isinstance(e, (UsageError, ValueError)) else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # (`ls | head`: its reader has had what it wanted)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:  # a bug or an unforeseen failure: one line, the rest with -v
         if args.verbose:
             traceback.print_exc()

@@ -9244,6 +9244,32 @@ def test_the_swarm_replaces_a_worker_that_dies_within_its_quota(tmp_path, worker
         head.wait()
 
 
+def test_down_turns_the_swarm_off_so_that_no_worker_replaces_those_it_cancels(tmp_path,
+                                                                             workers):
+    d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\nexport GRAIN_JOB_ID=$$\\n{main}\\n",
+                     swarm=1, quota=3)
+    d.config.write_text(d.config.read_text().replace(  # (a job: the session of its script)
+        "[custom_system]\n", '[custom_system]\ncancel_cmd = "pkill -TERM -s"\n'))
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        d.wait_ls("swarm: target 1, 1 joined, 0 submitted")
+        (job,) = d.submissions()
+        down = d.cli("down")
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.splitlines()[0] == ("turned the head's autoscaling off "
+                                               "(`grain.py scale N` turns it on again)")
+        assert down.stdout.splitlines()[1].startswith(f"cancelled worker job {job} ")
+        d.wait_ls("0 worker(s)", "swarm: autoscaling is off")
+        assert d.submissions() == [job]
+        assert d.cli("down").stdout == "no job to cancel\n"  # (off already: nothing said)
+        assert d.cli("stop").returncode == 0
+        assert head.wait(15) == 0
+    finally:
+        head.kill()
+        head.wait()
+
+
 def test_the_swarm_quota_holds_when_workers_crash_at_start(tmp_path, workers):
     d = swarm_daemon(tmp_path, workers, "#!/bin/bash\\necho cannot start >&2\\nexit 3\\n",
                      swarm=0, quota=3)
@@ -9404,6 +9430,27 @@ def test_pack_refuses_what_it_cannot_build(tmp_path):
     assert cp.returncode == 2 and "--python takes X.Y" in cp.stderr
 
 
+def test_ls_without_the_key_of_a_head_that_listens_says_the_key_is_missing(tmp_path, workers):
+    # A second machine, or a mistyped --key: "no head is listening" would send the user
+    # looking for a head that is there.
+    d = Daemon(tmp_path, workers)
+    head = subprocess.Popen([sys.executable, GRAIN, "head", "-c", str(d.config)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        d.wait_ls("0 worker(s)")
+        missing = tmp_path / "elsewhere" / "key"
+        cp = d.cli("ls", "--key", str(missing))
+        key = grain.load_config(str(d.config)).role("worker").auth_key
+        assert cp.returncode == 1 and cp.stderr == (
+            f"grain.py ls: a head listens at {d.edge} (address in {d.config}), but there is "
+            f"no key file at {missing} to speak to it: copy the head's key ({key}) there\n")
+        assert d.cli("stop").returncode == 0
+        assert head.wait(15) == 0
+    finally:
+        head.kill()
+        head.wait()
+
+
 def test_requires_python_specifiers():
     ok = grain.python_supports
     assert ok(">=3.9", (3, 9)) and not ok(">=3.10", (3, 9)) and ok(None, (3, 9))
@@ -9414,6 +9461,16 @@ def test_requires_python_specifiers():
 ###############################################################################
 # CLI #########################################################################
 ###############################################################################
+
+
+def test_a_command_whose_reader_went_away_says_nothing(tmp_path):
+    # `grain.py ls | head -3`: head leaves once it has its lines; ls's next write fails.
+    p = subprocess.Popen([sys.executable, GRAIN, "ls", "--json", "-a", "tcp://127.0.0.1:1",
+                          "--key", str(tmp_path / "no-key")], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    assert (p.wait(30), p.stderr.read()) == (128 + signal.SIGPIPE, "")
+    p.stderr.close()
 
 
 def test_without_a_config_file_only_verbose_says_so(tmp_path):
