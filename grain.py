@@ -10289,8 +10289,14 @@ def main(argv=None):
         return _subproc_child_main(int(argv[1]))
     names = [c[0] for c in _COMMAND_LINE]
     if (word := next((a for a in argv if a[:1] != "-"), None)) not in names + [None]:
-        print(f"grain.py: unknown command {word!r}{_did_you_mean(word, names)} (commands: "
-              f"{', '.join(names)})", file=sys.stderr)  # (the top level's options take no value)
+        before = argv[argv.index(word) - 1] if argv.index(word) else ""
+        if before[:1] == "-" and before not in ("-v", "--verbose"):  # (`-c FILE ls`)
+            command = next((a for a in argv if a in names), "COMMAND")
+            print(f"grain.py: {before} {word}: a command's options come after it "
+                  f"(grain.py {command} {before} {word})", file=sys.stderr)
+        else:  # (the top level's options take no value)
+            print(f"grain.py: unknown command {word!r}{_did_you_mean(word, names)} (commands: "
+                  f"{', '.join(names)})", file=sys.stderr)
         return 2
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

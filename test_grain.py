@@ -9506,6 +9506,9 @@ def test_a_misspelt_command_gets_the_nearest_one():
         assert cp.returncode == 2 and cp.stdout == ""
         assert cp.stderr == f"{line} (commands: {commands})\n"
     assert grain_cli("-v").returncode == 0  # (no command: the help)
+    cp = grain_cli("-c", "site.toml", "ls")  # (an option of the command's, put before it)
+    assert (cp.returncode, cp.stderr) == (2, "grain.py: -c site.toml: a command's options "
+                                             "come after it (grain.py ls -c site.toml)\n")
 
 
 def test_ls_watch_redraws_until_interrupted(tmp_path):
