@@ -3009,7 +3009,7 @@ class HeadCore:
         raise NotImplementedError
 
     def requeue(self, job):
-        """Queue a job again that is to be retried."""
+        """Queue a job again that is to run again (see queue_again)."""
         raise NotImplementedError
 
     def complete(self, job, value, error, kind, pickled):
@@ -9986,12 +9986,7 @@ class _CliTarget(namedtuple("_CliTarget", "settings address key why")):
     there is no key file, so no head of ours is there) and what to say when none answers."""
 
     def nobody(self):
-        if self.why.startswith(_KEYLESS):  # (one is there: the key is what is missing)
-            return GrainError(self.why)
         return GrainError(f"no head is listening at {self.address} ({self.why})")
-
-
-_KEYLESS = "a head listens at"
 
 
 def _head_seems_there(address):
@@ -10025,10 +10020,10 @@ def _cli_target(args):
     key_path = args.key or s.auth_key
     address = args.address or s.cli_dial
     if not os.path.isfile(os.path.expanduser(key_path)):  # (a client makes no key)
-        if theirs := _head_seems_there(address):
-            return _CliTarget(s, address, None, f"{_KEYLESS} {address} ({origin}), but there "
-                              f"is no key file at {key_path} to speak to it: copy the head's "
-                              f"key{f' ({theirs})' if theirs is not True else ''} there")
+        if theirs := _head_seems_there(address):  # (then the key is what is missing)
+            raise GrainError(f"a head listens at {address} ({origin}), but there is no key "
+                             f"file at {key_path} to speak to it: copy the head's key"
+                             f"{f' ({theirs})' if theirs is not True else ''} there")
         return _CliTarget(s, address, None, f"{origin}; no key file at {key_path} either: a "
                           "head makes its key when it starts")
     return _CliTarget(s, address, load_auth_key(key_path, s.tls_cert, s.tls_key), origin)

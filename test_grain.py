@@ -4754,8 +4754,8 @@ async def test_a_remote_result_is_stored_as_its_worker_pickled_it(workers, tmp_p
 async def test_a_missions_results_are_stored_before_its_workers_are_let_go(workers, tmp_path,
                                                                           monkeypatch):
     # A mission killed as it ends, after its goodbye: the workers have dropped the results
-    # they would have brought to its next run, so these must be in the store already. (A
-    # result delivered less than a write's interval before the goodbye was run again.)
+    # they would have brought to its next run, so these must be in the store already, even
+    # one delivered less than a write's interval before the goodbye.
     monkeypatch.setattr(grain, "STORE_FLUSH_S", 3600.0)  # (no periodic write comes first)
     store = tmp_path / "r.db"
     seen = []
