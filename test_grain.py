@@ -53,7 +53,10 @@ if not os.path.basename(RUN_HOME).startswith("grain-test-home-"):
     os.environ["TMPDIR"] = os.path.join(RUN_HOME, "tmp")
     os.mkdir(os.environ["TMPDIR"])
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    atexit.register(lambda: remove_the_runs_home())
+    # (registered before `import grain`, which may fail: then no process of the run's
+    # can have started, and only its HOME goes)
+    atexit.register(lambda: globals().get("remove_the_runs_home", lambda: shutil.rmtree(
+        RUN_HOME, ignore_errors=True))())
 
 import grain
 
@@ -3095,11 +3098,11 @@ SLURM_MISSION = textwrap.dedent("""
 """)
 
 
-def start_mission(tmp_path, cfg, job_id_variable="SLURM_JOB_ID", env=None):
-    """SLURM_MISSION (its results name each job's batch job by ``job_id_variable``) as a
-    process, once its head is up in ``tmp_path/edge``."""
+def start_mission(tmp_path, cfg, job_id_variable="SLURM_JOB_ID", env=None, text=SLURM_MISSION):
+    """SLURM_MISSION, or ``text`` (its results name each job's batch job by
+    ``job_id_variable``) as a process, once its head is up in ``tmp_path/edge``."""
     mission = tmp_path / "mission.py"
-    mission.write_text(SLURM_MISSION.replace("SLURM_JOB_ID", job_id_variable).format(
+    mission.write_text(text.replace("SLURM_JOB_ID", job_id_variable).format(
         here=HERE, config=str(cfg)))
     head = subprocess.Popen([sys.executable, str(mission)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -3840,7 +3843,14 @@ def test_an_array_of_workers_on_slurm_each_in_its_container(tmp_path, slurm_clea
     apptainer.chmod(0o755)
     cfg = slurm_config(tmp_path, python=sys.executable, array=True)
     cfg.write_text(cfg.read_text() + f'[worker]\nwrap = "{apptainer} exec grain.sif"\n')
-    head = start_mission(tmp_path, cfg)
+    # Each job waits (a minute at most) until jobs have run on both tasks: on a busy machine
+    # the second task's worker may join after the first has run all six jobs of 2 s.
+    both = SLURM_MISSION.replace("await trio.sleep(2)", textwrap.dedent(f"""\
+        open(os.path.join({str(tmp_path)!r}, "ran-" + GVAR.instance), "w").close()
+            with trio.move_on_after(60):
+                while len(glob.glob(os.path.join({str(tmp_path)!r}, "ran-*"))) < 2:
+                    await trio.sleep(0.2)""")).replace("import json", "import glob, json")
+    head = start_mission(tmp_path, cfg, text=both)
     try:
         up = grain_cli("up", "-c", str(cfg), "-n", "2", cwd=tmp_path)
         assert up.returncode == 0, up.stderr
