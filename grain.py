@@ -2680,10 +2680,10 @@ class Reunion:
     (Only some wire ids outlive a head: see outlives_head. A head's own numbers are
     claimed only by a worker that comes back to that same head, which tells its workers
     who it is (``instance``): see HeadCore.jobs_held.)
-    ``deliver(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
+    ``report(job, ok, data, duration, kind)`` hands a job a result a worker reported."""
 
-    def __init__(self, deliver, clock=_now, claim=lambda wire: None, push=None):
-        self.deliver = deliver
+    def __init__(self, report, clock=_now, claim=lambda wire: None, push=None):
+        self.report = report
         self.clock = clock
         self.claim = claim
         self.push = push         # queues a job that waits no longer
@@ -2705,7 +2705,7 @@ class Reunion:
         went, True: any expected one) while that worker may come back with it."""
         wire = job.wire
         if wire in self.finished:
-            self.deliver(job, *self.finished.pop(wire)[0])
+            self.report(job, *self.finished.pop(wire)[0])
         elif wire in self.running:
             w, _ = self.running.pop(wire)
             w.adopt(job, w.orphans.pop(wire), self.clock())
@@ -2770,7 +2770,7 @@ class Reunion:
             return
         self.failed.pop(wire, None)
         if (job := self._claimed(wire, ours)) is not None:
-            self.deliver(job, *result)
+            self.report(job, *result)
         elif outlives_head(wire):
             self.finished[wire] = (result, self.clock())
 
@@ -2965,7 +2965,7 @@ class HeadCore:
         if self.may_retry(job):
             self.queue_again(job)
         else:
-            job.change("fail")
+            self.end(job, False)
         self.pump()
 
     def job_sent(self, job):
