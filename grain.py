@@ -7570,7 +7570,8 @@ class ProgressLine:
         return (stream.isatty() and not logging.getLogger().handlers and
                 all(getattr(h, "grain_default", False) for h in log.handlers))
 
-    def text(self):
+    def text(self, hint=True):
+        """The line; ``hint``: with none joined, how to start workers (a long line)."""
         exer = self.executor
         counts = exer.tally.counts
         workers = exer.workers
@@ -7589,7 +7590,7 @@ class ProgressLine:
         attached = exer._link is not None
         where = (f"{sum(map(_job_cores, running))}/{held} cores busy on {n} worker(s)" if n
                  else "not attached to the head daemon yet" if attached and not workers
-                 else no_worker_text(0 if attached else exer.scheduler.joined))
+                 else no_worker_text(0 if attached else exer.scheduler.joined, hint))
         return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {len(running)} "
                 f"running, {total - ended - len(running)} queued, {failed} failed"
                 f"{f' ({why})' if why else ''} | {where}")
@@ -7613,7 +7614,11 @@ class ProgressLine:
         with TERMINAL:
             if not self.partial:
                 columns = shutil.get_terminal_size().columns - 1
-                self.stream.write("\r\x1b[K" + self.text()[:columns])
+                # (on a narrow terminal, not a hint cut mid-word: the stuck-queue warning
+                # gives it in full)
+                if len(line := self.text()) > columns:
+                    line = self.text(hint=False)
+                self.stream.write("\r\x1b[K" + line[:columns])
                 self.stream.flush()
                 self.shown = True
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import gc
 import html
+import io
 import json
 import logging
 import math
@@ -7459,6 +7460,12 @@ async def test_with_no_worker_the_status_line_says_so_from_the_start(autojump_cl
         assert _status(exer) == f"0/0 done, 0 running, 0 queued, 0 failed | {NO_WORKER}"
         jobs = [exer.submit(Cores(1), _calculation, i) for i in range(3)]
         assert _status(exer) == f"0/3 done, 0 running, 3 queued, 0 failed | {NO_WORKER}"
+        # on a terminal of 80 columns: the line without the hint, not the hint cut short
+        line = grain.ProgressLine(exer, io.StringIO())
+        with unittest.mock.patch.dict(os.environ, COLUMNS="80"):
+            line.draw()
+        assert re.fullmatch(r"\r\x1b\[K0:00:00 \| 0/3 done, 0 running, 3 queued, 0 failed \| "
+                            r"no worker has joined yet", line.stream.getvalue())
         exer.fail_queued("no worker came")
         for job in jobs:
             with pytest.raises(grain.GrainError, match="no worker came"):
