@@ -6569,6 +6569,7 @@ class MissionResults:
         self._sent = {}  # wire -> job sent to a worker process since the last write
         self._due = trio.Event()  # set: write now, not at the next STORE_FLUSH_S
         self._waiting = None      # write_now's callers' events, while keep runs
+        self.reused = 0           # jobs whose stored result this run took (not run again)
 
     def known(self, job):
         """Key ``job``; "stored" when its result is stored already (then it is not to run).
@@ -6596,6 +6597,7 @@ class MissionResults:
         job.name_on_wire(wire)
         state = store.states.get(wire)
         if state == "done" or (state == "failed" and not self.rerun_failed):
+            self.reused += 1
             return "stored"
         return store.crashed and state != "failed" and (state or True)
 
@@ -7525,16 +7527,20 @@ class MissionRecord:
         return {"jobs": len(jobs), "done": sum(j.state == "done" for j in jobs),
                 "failed": sum(j.state == "failed" for j in jobs), "used": used, "held": held}
 
-    def summary(self, jobs, here=0):
+    def summary(self, jobs, here=0, stored=None):
         """The totals of ``jobs`` in words; ``here``: the calls without resources besides
-        (run in the mission: not jobs, and not billed)."""
+        (run in the mission: not jobs, and not billed); ``stored``: the results store
+        (MissionResults), which gave some of them."""
         t = self.totals(jobs)
         share = (f" of {t['held'] / 3600:.3g} allocated ({t['used'] / t['held']:.0%} "
                  "utilization)") if t["held"] else ""
         unended = t["jobs"] - t["done"] - t["failed"]
         how = "".join(f", {n} {k}" for k, n in (("failed", t["failed"]), ("not ended", unended))
                       if n)
-        jobs = f"{t['jobs']} jobs" + (f" ({t['done']} done{how})" if how else "")
+        parts = [f"{t['done']} done{how}"] if how else []
+        if stored is not None and stored.reused:  # (they ran in an earlier run: no time here)
+            parts.append(f"{stored.reused} from the results store {stored.store.path}")
+        jobs = f"{t['jobs']} jobs" + (f" ({'; '.join(parts)})" if parts else "")
         text = f"{jobs}, {t['used'] / 3600:.3g} core-hours used{share}"
         if here:
             text = (text + "; " if t["jobs"] else "no job asked for resources; ") + \
@@ -8205,7 +8211,7 @@ class GrainExecutor(HeadCore):
                 self.elapsed = time.perf_counter() - self._t0
                 jobs = [j for j in self._jobs if not _asks_nothing(j.req)]
                 log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
-                         self.record.summary(jobs, self._here))
+                         self.record.summary(jobs, self._here, self.stored))
                 if self.report:
                     self.record.write_html(self.report, jobs,
                                            f"grain mission {os.path.basename(sys.argv[0])}")

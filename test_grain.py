@@ -4785,7 +4785,7 @@ async def test_a_missions_results_are_stored_before_its_workers_are_let_go(worke
     assert seen == [("done", 9)]
 
 
-def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path):
+def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path, caplog):
     store = tmp_path / "r.db"
     calls = []
 
@@ -4797,12 +4797,20 @@ def test_failures_are_stored_and_run_again_unless_asked_not_to(tmp_path):
         with pytest.raises(ValueError, match="bad 1"):
             await (delayed(flaky) @ Cores(1))(1)
 
-    for _ in range(2):
-        run(main, local=Cores(1), config_file=False, results=str(store))
-    assert calls == [1, 1]   # stored as failed; run again by default
-    calls.clear()
-    run(main, local=Cores(1), config_file=False, results=str(store), rerun_failed=False)
-    assert calls == []       # rerun_failed=False: the stored error, as raised the first time
+    def last_line():
+        return re.findall(r"Time elapsed for all jobs: [\d.]+s; (1 jobs \([^)]*\))",
+                          caplog.text)[-1]
+
+    with caplog.at_level(logging.INFO, logger="grain"):
+        for _ in range(2):
+            run(main, local=Cores(1), config_file=False, results=str(store))
+            assert last_line() == "1 jobs (0 done, 1 failed)"
+        assert calls == [1, 1]   # stored as failed; run again by default
+        calls.clear()
+        run(main, local=Cores(1), config_file=False, results=str(store), rerun_failed=False)
+        assert calls == []       # rerun_failed=False: the stored error, as raised the first time
+        # (the last line says where the result came from: no run of it was timed here)
+        assert last_line() == f"1 jobs (0 done, 1 failed; 1 from the results store {store})"
 
 
 async def energy(xyz, basis="sto-3g"):
