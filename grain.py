@@ -464,13 +464,26 @@ class StandIn:
         return getattr(self._default, name)
 
 
-async def watch_signals(on_signal, *, task_status=TASK_STATUS_IGNORED):
-    """Call ``on_signal(name)`` at each SIGTERM or SIGINT, once started: a process that
-    leaves in order (a worker tells its head, a head daemon says goodbye to its workers)."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+# What a batch system warns a worker's job of (Grid Engine's -notify; a user's --signal):
+# USR2, that it ends the job soon (qdel, its time limit): the worker leaves in order at
+# once; USR1, that it suspends it soon: nothing to do (by default each would kill it).
+BATCH_NOTICES = {"SIGUSR2": "the batch system is about to end this job",
+                 "SIGUSR1": "the batch system is about to suspend this job"}
+
+
+async def watch_signals(on_signal, *, notices=False, task_status=TASK_STATUS_IGNORED):
+    """Call ``on_signal(name)`` at each SIGTERM or SIGINT (with ``notices``, SIGUSR2; and
+    SIGUSR1 is said and ignored), once started: a process that leaves in order (a worker
+    tells its head, a head daemon says goodbye to its workers)."""
+    more = (signal.SIGUSR1, signal.SIGUSR2) if notices else ()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *more) as signals:
         task_status.started()
         async for signum in signals:
-            on_signal(signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if name in BATCH_NOTICES:
+                log.info("got %s: %s", name, BATCH_NOTICES[name])
+            if name != "SIGUSR1":
+                on_signal(name)
 
 
 def lone_exception(exc):
@@ -5449,7 +5462,7 @@ SYSTEMS.update({
             "lines": ["-N {name}", "-S {shell}", "-cwd", "-q {queue}", "-pe {pe} {cores}",
                       "-binding linear:{cores}",  # its own cores: a cpuset, not all
                       "-l h_vmem={slot_mb}M", "-l gpu={gpus}", "-l h_rt={hms}", "-j y",
-                      "-o {log}"],
+                      "-o {log}", "-notify"],  # (SIGUSR2 before a kill: see BATCH_NOTICES)
             "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",
             "cancel": lambda c: ["qdel"], "time_left": None, "cpu_ids": None,
             "states": lambda ids, c: _ask(  # (the user's jobs: all that are not ended)
@@ -8924,7 +8937,7 @@ class WorkerProcess:
         then any head ``reconnect()`` reaches."""
         async with open_strict_nursery() as nursery:
             self._nursery, self._job_tasks = nursery, TaskPool(nursery, self._run_job)
-            await nursery.start(watch_signals, self._signalled)
+            await nursery.start(functools.partial(watch_signals, self._signalled, notices=True))
             await self._session(stream, res)
             while self.state == "alone":
                 stream = await self._look_for_head(reconnect)
@@ -9119,7 +9132,8 @@ class WorkerProcess:
     def _signalled(self, name):
         if self.state != "gone":
             log.info("got %s; leaving", name)
-            self.leave(f"got {name}")
+            self.leave(f"got {name}" + (f" ({BATCH_NOTICES[name]})" if name in BATCH_NOTICES
+                                        else ""))
 
 
 async def worker_main(url=None, res=None, name=None, context_file=None, listen=None,
@@ -9179,7 +9193,7 @@ async def _reach_head(url, listen, key, provider):
 
     with trio.move_on_after(wt.remaining() if wt is not None else math.inf) as waiting:
         async with open_strict_nursery() as nursery:
-            await nursery.start(watch_signals, stop)
+            await nursery.start(functools.partial(watch_signals, stop, notices=True))
             try:
                 return await connect(url, key, wait=True)
             except (Unreachable, OSError, PeerError) as e:

@@ -3376,7 +3376,7 @@ GRAMMAR = {  # the directive prefix, and the options it takes (whole-line patter
     "sge": ("#$", [f"-N {ANY}", "-S /\\S+", "-cwd", f"-q {ANY}", f"-pe \\w+ {NUM}",
                    f"-binding linear:{NUM}",
                    f"-l h_vmem={NUM}M", f"-l gpu={NUM}", f"-l h_rt={HMS}", "-j y",
-                   f"-o {ANY}", f"-t 1-{NUM}"]),
+                   f"-o {ANY}", f"-t 1-{NUM}", "-notify"]),
     "lsf": ("#BSUB", [f"-J [^\\s\\[]+(\\[1-{NUM}\\])?", f"-q {ANY}", f"-n {NUM}",
                       '-R "span\\[hosts=1\\]"', f'-gpu "num={NUM}"', f"-M {NUM}MB",
                       f'-R "rusage\\[mem={NUM}MB\\]"', f"-W (\\d+:)?\\d+", f"-o {ANY}"]),
@@ -3544,7 +3544,8 @@ SCRIPT_DIRECTIVES = {
     "pbspro": ["-N grain-worker", "-q short", "-l select=1:ncpus=4:ngpus=1:mem=8192mb",
                "-l walltime=01:30:00", "-j oe", "-o LOG"],
     "sge": ["-N grain-worker", "-S /bin/bash", "-cwd", "-q short", "-pe smp 4",
-            "-binding linear:4", "-l h_vmem=2048M", "-l gpu=1", "-l h_rt=01:30:00", "-j y", "-o LOG"],
+            "-binding linear:4", "-l h_vmem=2048M", "-l gpu=1", "-l h_rt=01:30:00", "-j y", "-o LOG",
+            "-notify"],
     "lsf": ["-J grain-worker", "-q short", "-n 4", '-R "span[hosts=1]"', '-gpu "num=1"',
             "-M 8192MB", '-R "rusage[mem=8192MB]"', "-W 1:30", "-o LOG"],
     "flux": ["--job-name=grain-worker", "--queue=short", "-N 1", "-n 1", "-c 4", "-g 1",
@@ -3947,16 +3948,23 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
         ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path, env=env)
         assert all(re.search(rf"^\S+-{job}\.{i}\s", ls.stdout, re.M) for i in (1, 2)), ls.stdout
         assert "submitted, not joined" not in ls.stdout
-        stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path, env=env)
-        assert stop.returncode == 0 and "FIN to 2 worker(s)" in stop.stdout, stop.stderr
+        # `down` cancels the array (qdel): Grid Engine warns its tasks (-notify: SIGUSR2,
+        # and SIGKILL 60 s later), and each worker leaves at once, telling its head.
+        down = grain_cli("down", "-c", str(cfg), cwd=tmp_path, env=env)
+        assert down.stdout.splitlines() == [f"cancelled worker job {job}.{i} (grain-worker)"
+                                            for i in (1, 2)], down.stdout + down.stderr
 
         def listed():
             return subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True,
                                   env=env).stdout.split()
-        wait_for(lambda: job not in listed(), 60, "the tasks to leave qstat")
+        wait_for(lambda: job not in listed(), 30, "the tasks to leave qstat")
         for i in (1, 2):
             log, = tmp_path.glob(f"grain-worker-*-{i}.log")  # each task its own
-            assert f"worker {grain.hostname()}-{job}.{i} registered" in log.read_text()
+            text = log.read_text()
+            assert f"worker {grain.hostname()}-{job}.{i} registered" in text
+            assert "got SIGUSR2: the batch system is about to end this job" in text, text
+        stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path, env=env)
+        assert stop.returncode == 0 and "FIN to 0 worker(s)" in stop.stdout, stop.stderr
     finally:
         head.kill()
         head.wait()
@@ -8197,6 +8205,12 @@ def test_a_worker_stopped_while_it_waits_for_a_head_takes_its_edge_record_back(w
     sock = pathlib.Path(grain.parse_url(
         _json.loads(edge.read_text())["dialer"][0]["urls"]["unix"])[2])
     assert sock.parent == pathlib.Path(grain.private_dir()) and sock.exists()
+    # A batch system's notice that it will suspend the job (Grid Engine's -notify) is
+    # said, and the worker waits on: by default, SIGUSR1 would have killed it.
+    w.send_signal(signal.SIGUSR1)
+    wait_for(lambda: "got SIGUSR1: the batch system is about to suspend this job" in
+             w.log_path.read_text(), 15, "the worker to say it got SIGUSR1")
+    assert w.poll() is None and sock.exists()
     w.send_signal(signal.SIGTERM)
     assert w.wait(15) == 0
     assert _json.loads(edge.read_text())["dialer"] == [] and not sock.exists()
