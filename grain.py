@@ -465,7 +465,7 @@ class StandIn:
 
 
 # What a batch system warns a worker's job of (Grid Engine's -notify; a user's --signal):
-# USR2, that it ends the job soon (qdel, its time limit): the worker leaves in order at
+# USR2, that it ends the job soon (qdel, say): the worker leaves in order at
 # once; USR1, that it suspends it soon: nothing to do (by default each would kill it).
 BATCH_NOTICES = {"SIGUSR2": "the batch system is about to end this job",
                  "SIGUSR1": "the batch system is about to suspend this job"}
