@@ -5458,7 +5458,10 @@ SYSTEMS.update({
     "pbspro": dict(_PBS, lines=["-N {name}", "-q {queue}", "-l select={select}",  # (not
                                 "-l walltime={hms}", "-j oe", "-o {log}"],  # Torque's nodes=)
                    states=_pbs_states("-x"), array=("-J 1-{n}", _pbs_task, "PBS_ARRAY_INDEX")),
-    "sge": {"directive": "#$", "prologue": "",  # (h_vmem: a slot's; -S: not its csh)
+    # (-notify's warnings go to the job's whole process group: this shell, which would die
+    # of them and take the worker down with it, ignores them; the worker, which inherits
+    # that, handles them once it runs: see BATCH_NOTICES; h_vmem: a slot's; -S: not csh)
+    "sge": {"directive": "#$", "prologue": "trap '' USR1 USR2",
             "lines": ["-N {name}", "-S {shell}", "-cwd", "-q {queue}", "-pe {pe} {cores}",
                       "-binding linear:{cores}",  # its own cores: a cpuset, not all
                       "-l h_vmem={slot_mb}M", "-l gpu={gpus}", "-l h_rt={hms}", "-j y",
@@ -6610,7 +6613,6 @@ class MissionResults:
         job.name_on_wire(wire)
         state = store.states.get(wire)
         if state == "done" or (state == "failed" and not self.rerun_failed):
-            self.reused += 1
             return "stored"
         return store.crashed and state != "failed" and (state or True)
 
@@ -6628,6 +6630,7 @@ class MissionResults:
         """``(value, error, kind)`` stored for a known job."""
         state, data, error, kind = await trio.to_thread.run_sync(self.store.fetch, job.wire)
         value = loads_job_value(data) if type(data) is bytes else data
+        self.reused += 1
         if state == "done":
             return value, None, None
         exc = value[0] if isinstance(value, tuple) else GrainError(error)
@@ -7633,8 +7636,8 @@ class ProgressLine:
         with TERMINAL:
             if not self.partial:
                 columns = shutil.get_terminal_size().columns - 1
-                # (on a narrow terminal, not a hint cut mid-word: the stuck-queue warning
-                # gives it in full)
+                # (on a narrow terminal, not the hint cut mid-word: the stuck-queue
+                # warning gives it in full, STUCK_WARN_S on)
                 if len(line := self.text()) > columns:
                     line = self.text(hint=False)
                 self.stream.write("\r\x1b[K" + line[:columns])

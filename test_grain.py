@@ -3933,7 +3933,8 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
     cfg = tmp_path / "grain.toml"
     cfg.write_text(f'system = "sge"\naddress = "edge://{tmp_path}/edge"\n[script]\n'
                    f'python = "{sys.executable}"\ncores = 1\nmemory = 1\n'
-                   'walltime = "0:10:00"\n')
+                   'walltime = "0:10:00"\nsetup_cleanup = "defer touch '
+                   f'{tmp_path}/cleaned-$SGE_TASK_ID"\n')
     head, job = start_mission(tmp_path, cfg, "JOB_ID", env), None
     try:
         up = grain_cli("up", "-c", str(cfg), "-n", "2", "--array", cwd=tmp_path, env=env)
@@ -3948,8 +3949,9 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
         ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path, env=env)
         assert all(re.search(rf"^\S+-{job}\.{i}\s", ls.stdout, re.M) for i in (1, 2)), ls.stdout
         assert "submitted, not joined" not in ls.stdout
-        # `down` cancels the array (qdel): Grid Engine warns its tasks (-notify: SIGUSR2,
-        # and SIGKILL 60 s later), and each worker leaves at once, telling its head.
+        # `down` cancels the array (qdel): Grid Engine warns each task's process group
+        # (-notify: SIGUSR2, and SIGKILL 60 s later); the worker leaves at once, telling its
+        # head, and its job script's shell, which ignores the notice, ends as it does.
         down = grain_cli("down", "-c", str(cfg), cwd=tmp_path, env=env)
         assert down.stdout.splitlines() == [f"cancelled worker job {job}.{i} (grain-worker)"
                                             for i in (1, 2)], down.stdout + down.stderr
@@ -3963,6 +3965,13 @@ def test_an_array_of_workers_on_grid_engine_runs_a_mission(tmp_path):
             text = log.read_text()
             assert f"worker {grain.hostname()}-{job}.{i} registered" in text
             assert "got SIGUSR2: the batch system is about to end this job" in text, text
+            assert (tmp_path / f"cleaned-{i}").exists(), text
+
+        def exit_statuses():  # (what Grid Engine's accounting says each task ended with)
+            return re.findall(r"^exit_status\s+(\d+)", subprocess.run(
+                ["qacct", "-j", job], capture_output=True, text=True, env=env).stdout, re.M)
+        wait_for(lambda: len(exit_statuses()) == 2, 30, "the accounting of both tasks")
+        assert exit_statuses() == ["0", "0"]  # (not 140: no task died of the notice)
         stop = grain_cli("stop", "-c", str(cfg), cwd=tmp_path, env=env)
         assert stop.returncode == 0 and "FIN to 0 worker(s)" in stop.stdout, stop.stderr
     finally:
