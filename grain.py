@@ -7592,8 +7592,9 @@ class ProgressLine:
         return (stream.isatty() and not logging.getLogger().handlers and
                 all(getattr(h, "grain_default", False) for h in log.handlers))
 
-    def text(self, hint=True):
-        """The line; ``hint``: with none joined, how to start workers (a long line)."""
+    def text(self, narrow=False):
+        """The line; ``narrow``: for a narrow terminal, without how to start workers when none
+        joined (a long hint) and the failures but for how many there are, if any."""
         exer = self.executor
         counts = exer.tally.counts
         workers = exer.workers
@@ -7612,10 +7613,11 @@ class ProgressLine:
         attached = exer._link is not None
         where = (f"{sum(map(_job_cores, running))}/{held} cores busy on {n} worker(s)" if n
                  else "not attached to the head daemon yet" if attached and not workers
-                 else no_worker_text(0 if attached else exer.scheduler.joined, hint))
+                 else no_worker_text(0 if attached else exer.scheduler.joined, not narrow))
+        failures = f", {failed} failed" + (f" ({why})" if why and not narrow else "")
         return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {len(running)} "
-                f"running, {total - ended - len(running)} queued, {failed} failed"
-                f"{f' ({why})' if why else ''} | {where}")
+                f"running, {total - ended - len(running)} queued"
+                f"{failures if failed or not narrow else ''} | {where}")
 
     def clear(self):
         if self.shown:
@@ -7639,7 +7641,7 @@ class ProgressLine:
                 # (on a narrow terminal, not the hint cut mid-word: the stuck-queue
                 # warning gives it in full, STUCK_WARN_S on)
                 if len(line := self.text()) > columns:
-                    line = self.text(hint=False)
+                    line = self.text(narrow=True)
                 self.stream.write("\r\x1b[K" + line[:columns])
                 self.stream.flush()
                 self.shown = True

@@ -7485,18 +7485,24 @@ async def test_with_no_worker_the_status_line_says_so_from_the_start(autojump_cl
         assert _status(exer) == f"0/0 done, 0 running, 0 queued, 0 failed | {NO_WORKER}"
         jobs = [exer.submit(Cores(1), _calculation, i) for i in range(3)]
         assert _status(exer) == f"0/3 done, 0 running, 3 queued, 0 failed | {NO_WORKER}"
-        # on a terminal of 80 columns: the line without the hint, not the hint cut short
-        line = grain.ProgressLine(exer, io.StringIO())
-        with unittest.mock.patch.dict(os.environ, COLUMNS="80"):
-            line.draw()
-        assert re.fullmatch(r"\r\x1b\[K0:00:00 \| 0/3 done, 0 running, 3 queued, 0 failed \| "
-                            r"no worker has joined yet", line.stream.getvalue())
+        # on a terminal of 80 columns: the line without the hint (nor "0 failed"), not the
+        # hint cut short; so with 5,000 jobs too
+        for more in (0, 4997):
+            jobs += [exer.submit(Cores(1), _calculation, 0) for _ in range(more)]
+            line = grain.ProgressLine(exer, io.StringIO())
+            with unittest.mock.patch.dict(os.environ, COLUMNS="80"):
+                line.draw()
+            n = 3 + more
+            assert line.stream.getvalue() == (f"\r\x1b[K0:00:00 | 0/{n} done, 0 running, {n} "
+                                              "queued | no worker has joined yet")
         exer.fail_queued("no worker came")
         for job in jobs:
             with pytest.raises(grain.GrainError, match="no worker came"):
                 await job
-        assert _status(exer) == ("0/3 done, 0 running, 0 queued, 3 failed (raised: 3) | "
-                                 f"{NO_WORKER}")
+        assert _status(exer) == ("0/5000 done, 0 running, 0 queued, 5000 failed (raised: "
+                                 f"5000) | {NO_WORKER}")
+        assert grain.ProgressLine(exer, None).text(narrow=True) == (
+            "0:00:00 | 0/5000 done, 0 running, 0 queued, 5000 failed | no worker has joined yet")
 
 
 @trio_test
