@@ -7614,10 +7614,10 @@ class ProgressLine:
         where = (f"{sum(map(_job_cores, running))}/{held} cores busy on {n} worker(s)" if n
                  else "not attached to the head daemon yet" if attached and not workers
                  else no_worker_text(0 if attached else exer.scheduler.joined, not narrow))
-        failures = f", {failed} failed" + (f" ({why})" if why and not narrow else "")
+        failures = "" if narrow and not failed else \
+            f", {failed} failed" + (f" ({why})" if why and not narrow else "")
         return (f"{format_walltime(elapsed)}{left} | {done}/{total} done, {len(running)} "
-                f"running, {total - ended - len(running)} queued"
-                f"{failures if failed or not narrow else ''} | {where}")
+                f"running, {total - ended - len(running)} queued{failures} | {where}")
 
     def clear(self):
         if self.shown:
