@@ -6097,12 +6097,12 @@ def _user_module(name):
     return name == "__main__" or not path.startswith(_LIBRARY_ROOTS)
 
 
-def _feed_code(h, code, seen):
+def _feed_code(h, code):
     h.update(code.co_code)
     h.update(repr(code.co_names).encode())
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            _feed_code(h, const, seen)
+            _feed_code(h, const)
         else:
             h.update(repr(const).encode())
 
@@ -6119,7 +6119,7 @@ def _feed(h, obj, seen, depth=0):
     if isinstance(obj, (types.FunctionType, type)) and not _user_module(obj.__module__):
         h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
     elif isinstance(obj, types.FunctionType):
-        _feed_code(h, obj.__code__, seen)
+        _feed_code(h, obj.__code__)
         for v in (obj.__defaults__ or ()) + tuple(c.cell_contents for c in obj.__closure__ or ()):
             _feed(h, v, seen, depth + 1)
         for name in obj.__code__.co_names:
@@ -6299,16 +6299,14 @@ class ResultStore:
             self._take_hold()
         self.held = hold
         try:
-            if not hold:
-                self._db = sqlite3.connect(sqlite_uri(self.path, mode="ro"), uri=True,
-                                           check_same_thread=False, timeout=STORE_STALE_S)
-            else:  # (the timeout: while a writer commits, on a slow disk)
-                uri = sqlite_uri(self.path)
-                if "vfs=unix-dotfile" in uri:  # held: a lock there was left by a kill
-                    self._clear_dot_lock()
-                self._db = sqlite3.connect(uri, uri=True, check_same_thread=False,
-                                           isolation_level=None, timeout=STORE_STALE_S)
-                # (WAL would need shared memory between processes: not on NFS)
+            uri = sqlite_uri(self.path, mode="rwc" if hold else "ro")  # (rwc: SQLite's default)
+            if hold and "vfs=unix-dotfile" in uri:  # held: a lock there was left by a kill
+                self._clear_dot_lock()
+            # (the timeout: while a writer commits, on a slow disk; autocommit: reading only,
+            # as without hold, it changes nothing)
+            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False,
+                                       isolation_level=None, timeout=STORE_STALE_S)
+            if hold:  # (WAL would need shared memory between processes: not on NFS)
                 self._db.execute("PRAGMA journal_mode=DELETE")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._create()
@@ -6374,10 +6372,9 @@ class ResultStore:
         """Name the worker ``ident`` in the holder file (None: write it as it is)."""
         if ident:
             self.workers[ident] = None
-        with open(self.holder + ".new", "w") as f:  # (then renamed: a kill leaves no half)
-            json.dump({"host": hostname(), "pid": os.getpid(), "since": self.since,
-                       "workers": list(self.workers)}, f)
-        os.replace(self.holder + ".new", self.holder)
+        atomic_write(self.holder, json.dumps({  # (a kill leaves no half)
+            "host": hostname(), "pid": os.getpid(), "since": self.since,
+            "workers": list(self.workers)}).encode(), mode=0o666)
 
     def _stale_holder(self):
         """Remove the holder file of a mission that died; GrainError if it lives."""
@@ -6424,13 +6421,10 @@ class ResultStore:
     # -- reading and writing -------------------------------------------------------
     def fetch(self, key):
         """``(state, value bytes, error text, kind)`` stored for ``key``."""
-        rowid = self._rowids.get(key)
-        with self._lock:
-            if rowid is not None:  # (a key found on opening: the common case, fast)
-                return self._db.execute("SELECT state, value, error, kind FROM results_log "
-                                        "WHERE rowid = ?", (rowid,)).fetchone()
+        with self._lock:  # (by the rowid of a key found on opening: the common case, fast)
             return self._db.execute("SELECT state, value, error, kind FROM results_log WHERE "
-                                    "key = ? ORDER BY rowid DESC LIMIT 1", (key,)).fetchone()
+                                    "rowid = COALESCE(?, (SELECT MAX(rowid) FROM results_log "
+                                    "WHERE key = ?))", (self._rowids.get(key), key)).fetchone()
 
     def record(self, key, function, state, value=None, error=None, kind=None, duration=None,
                call=None):
