@@ -2861,6 +2861,11 @@ class HeadCore:
         self.instance = os.urandom(8).hex()  # which head this is, for workers that return
         self.clock = _now
         self.tasks = None  # the nursery of its timers (see start_head)
+        self._ids = itertools.count(1)  # its jobs' numbers
+        self.heap = HeapFreezer()  # (see GrainExecutor._track, HeadDaemon.serve_mission)
+        # Set, and renewed, at each change a task of its owner waits for: a worker joined,
+        # the last job ended, a mission came or went (see _changed)
+        self.changed = trio.Event()
 
     @staticmethod
     def queue_held(push, job):
@@ -2915,6 +2920,19 @@ class HeadCore:
             self.reunion.worker_finished(wire, result, w.ours)
 
     workers = property(lambda self: self.scheduler.workers)
+
+    def joined(self):
+        """How many worker processes are joined (those with a connection)."""
+        return sum(1 for w in self.workers if w.channel is not None)
+
+    def _changed(self):
+        """Wake those who wait for ``changed``: each looks again at what it waits for."""
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def warn_all(self, text):
+        """A warning for whoever runs this head's missions."""
+        log.warning("%s", text)
 
     def statistics(self):
         return self.scheduler.statistics()
@@ -7929,14 +7947,11 @@ class GrainExecutor(HeadCore):
         self._here = 0            # those asking nothing (_asks_nothing)
         self._submit_time = BurstClock(self)
         self._last_cores = Cores(1)  # the last Cores(N) asked for (see _submit)
-        self._ids = itertools.count(1)
         # Its jobs' numbers on the wire start from a base of its own: a worker that comes
         # back from the head before it (this mission, run again) may still run that one's
         # numbers, which must never be taken for this one's (see job_sent, Reunion)
         self._wire_base = int.from_bytes(os.urandom(5), "big") << 24
-        self._outstanding = 0
-        self._all_done = None
-        self._heap = HeapFreezer()  # (see _track)
+        self._outstanding = 0  # (at 0: _changed, see wait_all)
         self.function_bytes = FunctionBytes()  # (the worker protocol's)
         self._nursery = self._zero_worker = self._sync_jobs = self.elapsed = None
 
@@ -7972,8 +7987,7 @@ class GrainExecutor(HeadCore):
             else:
                 self._last_cores = res
         job = Job(next(self._ids), res, fn, args, kwargs or NO_KWARGS, self._main_queue)
-        if self._remote and res is not ZERO:
-            self._prepare_payload(job)  # (first: a job that cannot be sent is not one)
+        self._prepare_payload(job)  # (first: a job that cannot be sent is not one)
         self._track(job)
         self._enqueue(job)
         return job
@@ -7984,7 +7998,7 @@ class GrainExecutor(HeadCore):
         self._jobs.append(job)
         self._here += _asks_nothing(job.req)
         self._outstanding += 1
-        self._heap.freeze(job)
+        self.heap.freeze(job)
 
     def _submit_after(self, res, fn, args, kwargs, resolve):
         """Submit once ``resolve(args, kwargs)`` (an async function) gives the real arguments
@@ -7995,8 +8009,7 @@ class GrainExecutor(HeadCore):
         async def resolve_then_enqueue():
             try:
                 job.args, job.kwargs = await resolve(args, kwargs)
-                if self._remote and res is not ZERO:
-                    self._prepare_payload(job)
+                self._prepare_payload(job)
             except Exception as e:
                 self.complete(job, None, e)
                 return
@@ -8006,10 +8019,11 @@ class GrainExecutor(HeadCore):
         return job
 
     def _prepare_payload(self, job):
-        """Serialize a job for remote workers now, so what cannot be pickled fails at
-        submit time and names the culprit."""
-        self.function_bytes(job.fn)
-        job.payload = pickle_arguments(job)
+        """Serialize a job that may leave this process for remote workers now, so what
+        cannot be pickled fails at submit time and names the culprit."""
+        if self._remote and job.req is not ZERO:
+            self.function_bytes(job.fn)
+            job.payload = pickle_arguments(job)
 
     def _enqueue(self, job):
         if _asks_nothing(job.req):
@@ -8042,8 +8056,7 @@ class GrainExecutor(HeadCore):
     def add_worker(self, worker):
         super().add_worker(worker)
         self.record.joined(worker)
-        self._workers_changed.set()
-        self._workers_changed = trio.Event()
+        self._changed()  # (see wait_for_workers)
 
     def remove_worker(self, worker):
         super().remove_worker(worker)
@@ -8055,8 +8068,8 @@ class GrainExecutor(HeadCore):
 
     async def wait_for_workers(self, n):
         """Wait until at least ``n`` worker processes have joined."""
-        while sum(1 for w in self.workers if w.channel is not None) < n:
-            await self._workers_changed.wait()
+        while self.joined() < n:
+            await self.changed.wait()
 
     def job_sent(self, job):
         if job.key is not None:
@@ -8094,8 +8107,8 @@ class GrainExecutor(HeadCore):
         if job._event is not None:
             job._event.set()
         self._outstanding -= 1
-        if self._outstanding == 0 and self._all_done is not None:
-            self._all_done.set()
+        if not self._outstanding:
+            self._changed()
 
     def hand_back(self, jobs):
         """The head daemon went with these jobs: queue them ahead of the rest, for the next
@@ -8112,8 +8125,7 @@ class GrainExecutor(HeadCore):
     async def wait_all(self):
         """Wait until every job submitted so far has ended."""
         while self._outstanding:
-            self._all_done = trio.Event()
-            await self._all_done.wait()
+            await self.changed.wait()
 
     # -- as a head ------------------------------------------------------------------
     async def serve_mission(self, channel, info, why=None):
@@ -8121,10 +8133,6 @@ class GrainExecutor(HeadCore):
                                         f"(pid {os.getpid()} on {hostname()}), not a shared "
                                         "head daemon; give this mission a different address, "
                                         "or local=..."))
-
-    def warn_all(self, text):
-        """A warning for whoever runs this mission."""
-        log.warning("%s", text)
 
     @property
     def results(self):
@@ -8169,7 +8177,6 @@ class GrainExecutor(HeadCore):
         # reset before the context modules exit, which may set it too
         self._stack.callback(_RUNTIME.reset, _RUNTIME.set(self._runtime))
         self._t0 = time.perf_counter()
-        self._workers_changed = trio.Event()
         self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery, context,
                                         output, in_order=True)
         if self.rpw is not None and self.rpw._parts():
@@ -8200,7 +8207,7 @@ class GrainExecutor(HeadCore):
     async def _close(self):
         await self._stack.__aexit__(None, None, None)
         self._nursery = None
-        self._heap.thaw()
+        self.heap.thaw()
 
     async def __aexit__(self, etype, exc, tb):
         try:
@@ -9307,8 +9314,8 @@ class SwarmKeeper:
                     if states[batch_id] == ENDED:
                         log.warning("worker job %s ended without joining", batch_id)
                         del self.pending[batch_id]
-            if self.target - joined() - len(self.pending) > 0:
-                await self._submit(joined(), self.target - joined() - len(self.pending))
+            if (short := self.target - joined() - len(self.pending)) > 0:
+                await self._submit(joined(), short)
             else:
                 self.note = ""
 
@@ -9356,7 +9363,6 @@ class HeadDaemon(HeadCore):
                                    commands={"stats": self._stats, "stop": self._stop,
                                              "scale": self._scale}, specialized=False)
         self.missions = []
-        self.heap = HeapFreezer()  # (frozen while missions are attached)
         self.mission_socket = mission_socket
         self.idle_quit = idle_quit
         self.log_file = log_file
@@ -9365,8 +9371,6 @@ class HeadDaemon(HeadCore):
         if swarm is not None:
             swarm.warn = self.warn_all
         self.stopped = trio.Event()
-        self._ids = itertools.count(1)
-        self._missions_changed = trio.Event()
         self.fleet = (0, 0)  # its workers and their cores, for its missions' status lines
 
     async def run(self, *, task_status=TASK_STATUS_IGNORED):
@@ -9379,7 +9383,7 @@ class HeadDaemon(HeadCore):
                                     self.service.handle_connection)
             nursery.start_soon(self._watch_idle)
             if self.swarm is not None:
-                nursery.start_soon(self.swarm.run, self._joined)
+                nursery.start_soon(self.swarm.run, self.joined)
             task_status.started(urls)
             log.info("head daemon pid %d at %s; missions on this host attach at unix://%s",
                      os.getpid(), self.service.listen, self.mission_socket)
@@ -9414,9 +9418,6 @@ class HeadDaemon(HeadCore):
     def job_sent(self, job):
         """A worker starts it: its mission counts it running, and its cores used, from now."""
         job.queue.channel.send(("started", job.ref))
-
-    def _joined(self):
-        return sum(1 for w in self.scheduler.workers if w.channel is not None)
 
     def _push_held(self, job):
         if not job.queue.gone:  # its worker did not come back: it runs again
@@ -9510,10 +9511,6 @@ class HeadDaemon(HeadCore):
             self.heap.thaw()
         self.pump()
 
-    def _changed(self):
-        self._missions_changed.set()
-        self._missions_changed = trio.Event()
-
     def warn_all(self, text):
         """A warning for the daemon's log and every attached mission."""
         log.warning("%s", text)
@@ -9523,7 +9520,7 @@ class HeadDaemon(HeadCore):
     async def _watch_idle(self):
         while True:  # (no deadline while a mission is attached)
             with trio.move_on_after(math.inf if self.missions else self.idle_quit) as idle:
-                await self._missions_changed.wait()
+                await self.changed.wait()
             if idle.cancelled_caught:
                 log.info("no mission for %s; stopping", format_walltime(self.idle_quit))
                 self.stopped.set()
@@ -9537,7 +9534,7 @@ class HeadDaemon(HeadCore):
                               "queued": len(m.jobs), "running": running.get(m, 0), "done": m.done,
                               "failed": m.failed, "since": m.since} for m in self.missions]
         if self.swarm is not None:
-            stats["swarm"] = self.swarm.statistics(self._joined())
+            stats["swarm"] = self.swarm.statistics(self.joined())
         return stats
 
     def _stop(self):
