@@ -5326,8 +5326,10 @@ def _ask(argv, ids, listed, gone, words, key=lambda i: i):
 
 
 def _lines_of(text):
-    """``{first word: second word}`` of each line of ``text`` that has them."""
-    return dict(line.split()[:2] for line in text.splitlines() if len(line.split()) >= 2)
+    """``{first word: second word}`` of each line of ``text`` that has them; a third word
+    other than 0 is an array task's index (``bjobs -o "jobid stat jobindex"``: JOB[INDEX])."""
+    return {r[0] + (f"[{r[2]}]" if r[2:3] not in ([], ["0"]) else ""): r[1]
+            for r in (line.split() for line in text.splitlines()) if len(r) >= 2}
 
 
 def _pbs_listed(text):
@@ -5362,12 +5364,6 @@ def _sge_listed(text):
 def _sge_word(state):
     return (f"ERROR ({state})" if "E" in state else "RUNNING" if re.search("[rt]", state)
             else "PENDING" if "q" in state else state)
-
-
-def _lsf_listed(text):
-    """``bjobs -o "jobid stat jobindex"``: an array's task as JOB[INDEX]."""
-    return {r[0] + (f"[{r[2]}]" if r[2:3] not in ([], ["0"]) else ""): r[1]
-            for r in (line.split() for line in text.splitlines()) if len(r) >= 2}
 
 
 def _custom_states(ids, custom):
@@ -5438,6 +5434,7 @@ def _pbs_states(*flags):
 
 # The batch systems, every command and format each needs, as data:
 #   directive, lines: the script's directives (see directives()); prologue;
+#   (prologue, time_left, cpu_ids, array, job_id, stdin: optional, read with .get())
 #   submit(settings): the command (stdin: it reads the script from its stdin, not a path);
 #   job_id: what it prints on submitting, a regular expression (default: its last word);
 #   states(ids, custom) -> {id: state} (one query); cancel(custom): the command (+ ids);
@@ -5449,13 +5446,13 @@ def _pbs_states(*flags):
 #   it (a regular expression, case-insensitive): it is tried again (see submit_script).
 _BUSY = "Socket timed out|Resource temporarily unavailable|try again later"
 _PBS = {"directive": "#PBS", "prologue": "cd \"$PBS_O_WORKDIR\"", "submit": lambda s: ["qsub"],
-        "cancel": lambda c: ["qdel"], "time_left": _pbs_time_left, "cpu_ids": None,
+        "cancel": lambda c: ["qdel"], "time_left": _pbs_time_left,
         "me": lambda e: e.get("PBS_JOBID"), "busy": _BUSY + "|busy|End of File|cannot "
         "connect to server", "hint": "is this a PBS login node? If not, set system in grain.toml"}
 _PBS_WORDS = {"C": ENDED, "F": ENDED, "X": ENDED, "Q": "PENDING", "R": "RUNNING", "H": "HELD",
               "B": "RUNNING"}
 SYSTEMS.update({
-    "slurm": {"directive": "#SBATCH", "prologue": "",
+    "slurm": {"directive": "#SBATCH",
               "lines": ["-J {name}", "-p {queue}", "--nodes=1", "--ntasks-per-node={cores}",
                         "--gres=gpu:{gpus}", "--mem={mb}M", "--time={time}", "-o {log}"],
               "submit": lambda s: ["sbatch", "--parsable"], "cancel": lambda c: ["scancel"],
@@ -5485,7 +5482,7 @@ SYSTEMS.update({
                       "-l h_vmem={slot_mb}M", "-l gpu={gpus}", "-l h_rt={hms}", "-j y",
                       "-o {log}", "-notify"],  # (SIGUSR2 before a kill: see BATCH_NOTICES)
             "submit": lambda s: ["qsub", "-terse"], "job_id": r"^\s*(\d+)",
-            "cancel": lambda c: ["qdel"], "time_left": None, "cpu_ids": None,
+            "cancel": lambda c: ["qdel"],
             "states": lambda ids, c: _ask(  # (the user's jobs: all that are not ended)
                 ["qstat", "-u", pwd.getpwuid(os.getuid()).pw_name], ids, _sge_listed,
                 lambda i, cp: cp.returncode == 0, _sge_word),
@@ -5494,7 +5491,7 @@ SYSTEMS.update({
             "array": ("-t 1-{n}", lambda job, i: f"{job}.{i}", "SGE_TASK_ID"),
             "busy": _BUSY + "|unable to contact qmaster|commlib error|failed receiving gdi",
             "hint": "is this a Grid Engine submit host? If not, set system in grain.toml"},
-    "lsf": {"directive": "#BSUB", "prologue": "", "stdin": True,  # (a path: not parsed)
+    "lsf": {"directive": "#BSUB", "stdin": True,  # (a path: not parsed)
             "lines": ["-J {name}", "-q {queue}", "-n {cores}", '-R "span[hosts=1]"',
                       '-gpu "num={gpus}"', "-M {mb}MB", '-R "rusage[mem={mb}MB]"', "-W {hm}",
                       "-o {log}"],
@@ -5504,14 +5501,14 @@ SYSTEMS.update({
                 os.environ["LSB_BIND_CPU_LIST"]),  # (when LSF's affinity binds them)
             "states": lambda ids, c: _ask(
                 ["bjobs", "-noheader", "-a", "-o", "jobid stat jobindex", *ids], ids,
-                _lsf_listed, lambda i, cp: f"Job <{i}> is not found" in cp.stderr,
+                _lines_of, lambda i, cp: f"Job <{i}> is not found" in cp.stderr,
                 {"DONE": ENDED, "EXIT": ENDED, "PEND": "PENDING", "RUN": "RUNNING"}),
             "me": lambda e: e.get("LSB_JOBID") and e["LSB_JOBID"] + (
                 f"[{e['LSB_JOBINDEX']}]" if e.get("LSB_JOBINDEX", "0") != "0" else ""),
             "array": ("-J {name}[1-{n}]", lambda job, i: f"{job}[{i}]", "LSB_JOBINDEX"),
             "busy": _BUSY + "|LSF is down|not responding|Failed in an LSF library call",
             "hint": "is this an LSF login node? If not, set system in grain.toml"},
-    "flux": {"directive": "#flux:", "prologue": "",  # (Flux schedules no memory)
+    "flux": {"directive": "#flux:",  # (Flux schedules no memory)
              "lines": ["--job-name={name}", "--queue={queue}", "-N 1", "-n 1", "-c {cores}",
                        "-g {gpus}", "-t {minutes}m", "--output={log}"],
              "submit": lambda s: ["flux", "batch"], "cancel": lambda c: ["flux", "cancel"],
@@ -5522,13 +5519,13 @@ SYSTEMS.update({
                  {"INACTIVE": ENDED, "RUN": "RUNNING", "CLEANUP": "RUNNING"},
                  lambda i: i.replace("\u0192", "f")),  # an id: ƒ..., or f... in ASCII
              "time_left": lambda job: float(_run_command(["flux", "job", "timeleft"])),
-             "cpu_ids": None, "me": lambda e: e.get("FLUX_JOB_ID"), "array": None,
+             "me": lambda e: e.get("FLUX_JOB_ID"),
              "busy": _BUSY + "|Unable to connect|Connection refused",
              "hint": "is this a Flux instance's login node? If not, set system in grain.toml"},
-    "custom": {"directive": None, "lines": None, "prologue": "", "submit": _custom_submit,
+    "custom": {"submit": _custom_submit,  # (no lines: its scripts are its template's)
                "cancel": lambda c: shlex.split(c.cancel_cmd) if c.cancel_cmd else None,
-               "states": _custom_states, "time_left": None, "cpu_ids": None,
-               "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY, "array": None,
+               "states": _custom_states,
+               "me": lambda e: e.get("GRAIN_JOB_ID"), "busy": _BUSY,
                "hint": "check custom_system.submit_cmd in grain.toml"},
 })
 
@@ -5725,7 +5722,7 @@ def render_script(s, main, when=None, seq=0, tasks=0):
                  "trap grain_cleanup EXIT", "trap 'exit 143' TERM INT"]
     body = "\n".join(body + setup + [main])
     spec = SYSTEMS.get(s.system)
-    if s.custom_system.template or (spec and spec["lines"] is None):
+    if s.custom_system.template or (spec and "lines" not in spec):
         return _render_template(s, body, name, log_file, setup, cleanup, when, seq)
     if spec is None:  # no batch system: the script alone, to read (`up --dry`)
         return f"{s.script.shebang}\n{body}\n"
@@ -5736,7 +5733,7 @@ def render_script(s, main, when=None, seq=0, tasks=0):
             + [line]
     lines = [s.script.shebang] + [f"{spec['directive']} {x}" for x in [
         *lines, *s.script.extra_args]]
-    if spec["prologue"]:
+    if spec.get("prologue"):
         lines.append(spec["prologue"])
     return "\n".join(lines + [body]) + "\n"
 
@@ -5792,9 +5789,21 @@ class JobBook:
     def mark_joined(self, job_id):
         self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
 
-    def waiting(self):
-        """Worker jobs whose worker has not joined (yet)."""
-        return [r for r in self.records() if r.get("role") == "worker" and not r.get("joined")]
+    def waiting(self, system, custom, joined=()):
+        """Worker jobs whose worker has not joined (yet), but those of ``joined``, each with
+        its ``state``, asked of ``system`` (else the one the first was submitted to)."""
+        records = [r for r in self.records() if r.get("role") == "worker"
+                   and not r.get("joined") and r["id"] not in joined]
+        if not system and records:
+            system = records[0].get("system")
+        states = batch_states(system, [r["id"] for r in records], custom)
+        return [dict(r, state=states[r["id"]]) for r in records]
+
+
+def _job_book(worker):
+    """A head's HeadService ``job_book``: the worker jobs of the batch system of worker
+    settings ``worker`` (their JobBook), whose ending unjoined is reported; None without one."""
+    return (worker.system, JobBook(worker.dial), worker.custom_system) if worker.system else None
 
 
 def _submitter(s):
@@ -5882,7 +5891,7 @@ def allocation_end():
     """Seconds left in this batch job's allocation, asked of the batch system; None outside
     a batch job or when it cannot tell."""
     system, job = batch_job()
-    time_left = SYSTEMS[system]["time_left"] if system else None
+    time_left = SYSTEMS[system].get("time_left") if system else None
     try:
         return time_left(job) if time_left else None
     except (GrainError, ValueError):
@@ -5897,7 +5906,7 @@ def batch_cpu_ids(allowed):
     knows which cores it allocated to each job. Used only when the cpuset is the whole
     node; None when there is nothing better to say."""
     system, job = batch_job()
-    cpu_ids = SYSTEMS[system]["cpu_ids"] if system else None
+    cpu_ids = SYSTEMS[system].get("cpu_ids") if system else None
     if not cpu_ids or len(allowed) != (os.cpu_count() or 0):
         return None
     try:
@@ -7064,8 +7073,8 @@ class HeadService:
         self.specialized = specialized
         self.commands = {"stats": self.stats, "quit": self.quit, **(commands or {})}
         self.urls = {}                # where it listens: {interface: url}
-        self.joined_job_ids = set()   # batch job ids of every worker that ever registered
-        self.registered = Counter()   # batch job id -> how often its worker registered
+        # batch job id -> how often its worker registered (its keys: every one that ever did)
+        self.registered = Counter()
         self.joining = set()          # channels of peers that have not said who they are
         self.goodbye = None           # what say_goodbye told the workers
         self._nursery = None
@@ -7136,7 +7145,6 @@ class HeadService:
 
     async def _serve_worker(self, channel, info, w):
         """Serve a registered worker until it leaves or is lost, then re-queue its jobs."""
-        self.joined_job_ids.add(info.get("job_id"))
         self.registered[info.get("job_id")] += 1
         if self.goodbye is not None:  # it registered as the mission ended: goodbye to it too
             return channel.send(self.goodbye)
@@ -7243,14 +7251,9 @@ class HeadService:
         reported = set()
         while True:
             await trio.sleep(JOB_WATCH_S)
-            records = [r for r in book.waiting()
-                       if r["id"] not in self.joined_job_ids and r["id"] not in reported]
-            if not records:
-                continue
-            states = await trio.to_thread.run_sync(batch_states, system,
-                                                   [r["id"] for r in records], custom)
-            for r in records:
-                if states[r["id"]] == ENDED:
+            for r in await trio.to_thread.run_sync(book.waiting, system, custom,
+                                                   self.registered.keys() | reported):
+                if r["state"] == ENDED:
                     reported.add(r["id"])
                     self.owner.warn_all(f"batch job {r['id']} ({r['name']}) ended without its "
                                         f"worker ever joining; the end of its log {r['log']}:"
@@ -7288,7 +7291,7 @@ class HeadService:
                         name=w.name, running=w.running, status=w.status, where=w.where, via=w.via,
                         walltime=w.free["WTime"][0] if w.free["WTime"][0] < math.inf else None,
                         job_id=w.job_id) for w in st.workers]
-        return {"workers": workers, "joined_job_ids": sorted(j for j in self.joined_job_ids if j),
+        return {"workers": workers, "joined_job_ids": sorted(j for j in self.registered if j),
                 "queued": st.queued, "running": st.running, **tally.counts,
                 "retried_by_class": dict(tally.retried_by_class),
                 "failed_by_class": dict(tally.failed_by_class),
@@ -8471,10 +8474,9 @@ def _mission_options(cfg, address, executor_args, executor_kwargs, may_attach, n
                                      self_argv("head", *config, "-a", address), log_file),
             info={"name": name or os.path.basename(sys.argv[0]) or "python",
                   "pid": os.getpid(), "host": hostname(), "prioritized": bool(prioritized)})}
-    watch = worker.system and address  # jobs that end unjoined are reported
     return {"listen": address or None, "key": key, "mission": MissionSetup(
         listen_optional=True, workers_fixed=not address and not waddrs,
-        job_book=(worker.system, JobBook(worker.dial), worker.custom_system) if watch else None,
+        job_book=_job_book(worker) if address else None,
         context=load_context(head.contextmod) if head.contextmod else None,
         job_log=os.path.abspath(_stamp(head.log_file, time.time())) if head.log_file else None,
         backendless=tuple(backendless_workers(worker)))}
@@ -9558,8 +9560,7 @@ async def head_main(s, worker, key, idle_quit=None):
     daemon = HeadDaemon(
         s.listen, key, idle_quit=s.idle_quit if idle_quit is None else idle_quit,
         mission_socket=mission_socket_path(s.listen), swarm=swarm, max_missions=s.max_missions,
-        job_book=(worker.system, JobBook(worker.dial), worker.custom_system)
-        if worker.system else None, log_file=os.environ.get("GRAIN_HEAD_LOG", ""))
+        job_book=_job_book(worker), log_file=os.environ.get("GRAIN_HEAD_LOG", ""))
     if s.daemon_extra_args:
         log.warning("[head.gnaw] extra_args %s have no effect: they were command-line flags "
                     "of upstream's Go daemon", " ".join(s.daemon_extra_args))
@@ -10053,13 +10054,8 @@ def _cli_target(args):
 def submitted_jobs(book, s, joined):
     """The batch jobs grain submitted whose worker has not joined (yet), each a dict of
     id, name, log and state (asked of the batch system)."""
-    records = [r for r in book.waiting() if r["id"] not in joined]
-    if not records:
-        return []
-    states = batch_states(s.system or records[0].get("system"), [r["id"] for r in records],
-                          s.custom_system)
-    return [{"id": r["id"], "name": r["name"], "log": r["log"], "state": states[r["id"]]}
-            for r in records]
+    return [{k: r[k] for k in ("id", "name", "log", "state")}
+            for r in book.waiting(s.system, s.custom_system, joined)]
 
 
 def format_jobs(records):
