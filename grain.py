@@ -9625,30 +9625,29 @@ def _bundle_file(path):
         for p in parts)
 
 
-def _wheel_contents(path):
-    """(name, version, requires_python, {path: bytes}) of a pure-Python wheel."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        meta_name = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
-        if meta_name is None:
-            raise GrainError(f"{path}: not a wheel (no METADATA)")
-        meta = z.read(meta_name).decode("utf-8", "replace")
-        fields = dict(re.findall(r"^(Name|Version|Requires-Python):[ \t]*([^\r\n]+)", meta, re.M))
-        files = {n: z.read(n) for n in z.namelist() if not n.endswith("/") and _bundle_file(n)}
-    return fields.get("Name", ""), fields.get("Version", ""), fields.get("Requires-Python"), files
+def _dist_files(dist):
+    """The files of an installed distribution, or of a wheel, that go into the bundle."""
+    return {rel: f.read_binary() for f in dist.files or ()
+            for rel in [str(f).replace(os.sep, "/")]
+            if _bundle_file(rel) and not rel.startswith("..")}
 
 
 def _from_wheels(directory, names, target):
     """Pick, for each package, the newest wheel in ``directory`` that supports ``target``."""
+    import importlib.metadata as md
+
     found = {}
     for fn in sorted(fn for fn in os.listdir(directory) if fn.endswith(".whl")):
-        name, version, requires, files = _wheel_contents(os.path.join(directory, fn))
-        if not python_supports(requires, target):
+        path = os.path.join(directory, fn)
+        # (importlib.metadata reads a wheel as it reads a zip on sys.path)
+        dist = next(iter(md.distributions(path=[path])), None)
+        if dist is None or not dist.read_text("METADATA"):
+            raise GrainError(f"{path}: not a wheel (no METADATA)")
+        if not python_supports(dist.metadata.get("Requires-Python"), target):
             continue
-        old = found.get(_norm(name))
-        if old is None or _version_key(version) > _version_key(old[0]):
-            found[_norm(name)] = (version, files)
+        name = _norm(dist.metadata["Name"])
+        if name not in found or _version_key(dist.version) > _version_key(found[name][0]):
+            found[name] = (dist.version, _dist_files(dist))
     for name in names:
         if _norm(name) not in found:
             raise GrainError(f"no wheel of {name} supporting Python "
@@ -9674,10 +9673,7 @@ def _from_installed(names, target):
             raise GrainError(f"the installed {name} {dist.version} needs Python "
                              f"{requires}, not {target[0]}.{target[1]}; give --wheels DIR "
                              f"with a {name} for {target[0]}.{target[1]}")
-        files = {rel: f.read_binary() for f in dist.files or ()
-                 for rel in [str(f).replace(os.sep, "/")]
-                 if _bundle_file(rel) and not rel.startswith("..")}
-        out[name] = (dist.version, files)
+        out[name] = (dist.version, _dist_files(dist))
     return out
 
 
@@ -9748,7 +9744,7 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
         m = re.match(r"^(\d+)\.(\d+)$", python)
         if not m:
             raise UsageError(f"--python takes X.Y, e.g. 3.9, got {python!r}")
-        target = (int(m.group(1)), int(m.group(2)))
+        target = tuple(map(int, m.groups()))
     if target < (3, 9):
         raise UsageError(f"grain.py needs Python 3.9 or newer, not {target[0]}.{target[1]}")
     names = PACK_PACKAGES + (PACK_PACKAGES_BELOW_311 if target < (3, 11) else [])
@@ -9832,7 +9828,7 @@ def format_ls(stats):
     rows.append(("TOTAL", *(fmt.format(*(sum(w.get(key, (0, 0))[i] for w in workers)
                                          for i in (0, 1))) for key, fmt in amounts),
                  "", str(sum(w["running"] for w in workers)), f"{len(workers)} worker(s)", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max(map(len, column)) for column in zip(*rows)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     def by_class(counts):
         inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
@@ -9870,89 +9866,94 @@ def _versions():
             f"{_package_version('dill', '__info__.py')}{tomli}, Python {sys.version.split()[0]})")
 
 
+def _opt(*flags, **kw):
+    """An option of the table below: add_argument's arguments."""
+    return flags, kw
+
+
 # Options several commands share, by name: (flags, argparse keywords).
 _SHARED_OPTIONS = {
-    "config": (("-c", "--config"), dict(metavar="FILE", help="the config (default: "
-                                        "$GRAIN_CONFIG, else ./grain.toml)")),
-    "address": (("-a", "--address"), dict(help="the head's address (default: worker.cli_dial)")),
-    "key": (("--key",), dict(metavar="PATH", help="the shared key file (default "
-                             "~/.local/share/grain/key)")),
-    "dry": (("--dry",), dict(action="store_true", help="print the job script; submit nothing")),
+    "config": _opt("-c", "--config", metavar="FILE", help="the config (default: "
+                   "$GRAIN_CONFIG, else ./grain.toml)"),
+    "address": _opt("-a", "--address", help="the head's address (default: worker.cli_dial)"),
+    "key": _opt("--key", metavar="PATH", help="the shared key file (default "
+                "~/.local/share/grain/key)"),
+    "dry": _opt("--dry", action="store_true", help="print the job script; submit nothing"),
 }
 _AT_HEAD = ("address", "config", "key")
 # The commands: name, help, shared options, options of its own.
 _COMMAND_LINE = [
     ("worker", "run a worker: connect to a head and run its jobs", ("key", "config"), [
-        (("--url",), dict(help="the head's address: tcp://host:port, unix:///path, "
-                          "edge:///path or bridge://LABEL@HOST:PORT (default: the Edge file "
-                          "in ~/.local/share)")),
-        (("--listen",), dict(metavar="URL", help="be a passive worker: wait at "
-                             "tcp://:PORT for a head to dial")),
-        (("-r", "--res"), dict(metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
-                               '{"N": 16}, "Memory": {"M": 32}}\' or \'{"Node": {"N": 16, '
-                               '"M": 32}}\' (default: this cpuset and memory)')),
-        (("--max-frame",), dict(type=int, default=MAX_FRAME, metavar="BYTES", help="the "
-                                "largest message the head may send (default 1 GiB)")),
-        (("--oversubscribe",), dict(action="store_true", help="allow --res to offer more "
-                                    "cores than this process's cpuset (the extra ids are "
-                                    "virtual; for tests and benchmarks)")),
-        (("--context",), dict(metavar="FILE", help="a Python file whose grain_context() "
-                              "wraps the worker's life")),
-        (("--name",), dict(help="the worker's name (default: the hostname)")),
-        (("--sworker",), dict(metavar="MODULE", help="be a specialized worker of this type "
-                              "(worker.specialized_type): its jobs run in the mission, this "
-                              "process keeps the module's grain_run_sworker() running")),
-        (("--reattach",), dict(metavar="DURATION", help="when the head is lost, keep running "
-                               "its jobs this long for a new head, e.g. 10m, 0 to leave at "
-                               "once (default: worker.reattach, 10m)")),
-        (("--tls-cert",), dict(metavar="PEM", help="speak TLS with this certificate "
-                               "(default: worker.tls_cert)")),
-        (("--tls-key",), dict(metavar="PEM", help="its private key (default: "
-                              "worker.tls_key, else in the --tls-cert file)"))]),
+        _opt("--url", help="the head's address: tcp://host:port, unix:///path, "
+             "edge:///path or bridge://LABEL@HOST:PORT (default: the Edge file "
+             "in ~/.local/share)"),
+        _opt("--listen", metavar="URL", help="be a passive worker: wait at "
+             "tcp://:PORT for a head to dial"),
+        _opt("-r", "--res", metavar="JSON", help='resources to offer, e.g. \'{"Cores": '
+             '{"N": 16}, "Memory": {"M": 32}}\' or \'{"Node": {"N": 16, '
+             '"M": 32}}\' (default: this cpuset and memory)'),
+        _opt("--max-frame", type=int, default=MAX_FRAME, metavar="BYTES", help="the "
+             "largest message the head may send (default 1 GiB)"),
+        _opt("--oversubscribe", action="store_true", help="allow --res to offer more "
+             "cores than this process's cpuset (the extra ids are "
+             "virtual; for tests and benchmarks)"),
+        _opt("--context", metavar="FILE", help="a Python file whose grain_context() "
+             "wraps the worker's life"),
+        _opt("--name", help="the worker's name (default: the hostname)"),
+        _opt("--sworker", metavar="MODULE", help="be a specialized worker of this type "
+             "(worker.specialized_type): its jobs run in the mission, this "
+             "process keeps the module's grain_run_sworker() running"),
+        _opt("--reattach", metavar="DURATION", help="when the head is lost, keep running "
+             "its jobs this long for a new head, e.g. 10m, 0 to leave at "
+             "once (default: worker.reattach, 10m)"),
+        _opt("--tls-cert", metavar="PEM", help="speak TLS with this certificate "
+             "(default: worker.tls_cert)"),
+        _opt("--tls-key", metavar="PEM", help="its private key (default: "
+             "worker.tls_key, else in the --tls-cert file)")]),
     ("ls", "show the head's workers, queue and submitted jobs", _AT_HEAD, [
-        (("--watch",), dict(nargs="?", const=2.0, type=float, metavar="SECONDS",
-                            help="show it again every SECONDS (default 2), in place")),
-        (("--json",), dict(action="store_true", help="print the same facts as JSON (see "
-                           "the README for its fields)"))]),
+        _opt("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+             help="show it again every SECONDS (default 2), in place"),
+        _opt("--json", action="store_true", help="print the same facts as JSON (see "
+             "the README for its fields)")]),
     ("explain", "say why the oldest waiting job of each mission does not run", _AT_HEAD, []),
     ("quit", "make workers leave (after their jobs, or now with -f)", _AT_HEAD, [
-        (("pattern",), dict(help="a glob over worker names, e.g. 'node1*'")),
-        (("-f", "--force"), dict(action="store_true", help="leave now; their running jobs "
-                                 "are re-queued"))]),
+        _opt("pattern", help="a glob over worker names, e.g. 'node1*'"),
+        _opt("-f", "--force", action="store_true", help="leave now; their running jobs "
+             "are re-queued")]),
     ("head", "run the head daemon: a scheduler shared by missions, keeping workers between "
              "them (missions start one when none runs)", ("config", "key"), [
-        (("--no-config",), dict(action="store_true", help="use the defaults, ignore "
-                                "./grain.toml and $GRAIN_CONFIG")),
-        (("-a", "--address"), dict(help="where to listen (default: head.listen)")),
-        (("--idle-quit",), dict(metavar="DURATION", help="quit after this long without "
-                                "missions (default: head.idle_quit)"))]),
+        _opt("--no-config", action="store_true", help="use the defaults, ignore "
+             "./grain.toml and $GRAIN_CONFIG"),
+        _opt("-a", "--address", help="where to listen (default: head.listen)"),
+        _opt("--idle-quit", metavar="DURATION", help="quit after this long without "
+             "missions (default: head.idle_quit)")]),
     ("bridge", "run a bridge: the rendezvous (and relay) through which a head and workers "
                "on clusters that cannot reach each other meet (bridge://LABEL@HOST:PORT)", (), [
-        (("--listen",), dict(default=f"tcp://:{BRIDGE_PORT}", metavar="tcp://[HOST]:PORT",
-                             help=f"where to listen (default: every interface, port "
-                                  f"{BRIDGE_PORT})"))]),
+        _opt("--listen", default=f"tcp://:{BRIDGE_PORT}", metavar="tcp://[HOST]:PORT",
+             help=f"where to listen (default: every interface, port "
+                  f"{BRIDGE_PORT})")]),
     ("stop", "stop the head daemon (its workers get FIN)", _AT_HEAD, []),
     ("scale", "keep N workers submitted (0: autoscaling off)", _AT_HEAD, [
-        (("n",), dict(type=int, metavar="N", help="the number of workers"))]),
+        _opt("n", type=int, metavar="N", help="the number of workers")]),
     ("up", "submit worker jobs to the batch system (other arguments go to its submit "
            "command: sbatch, qsub, bsub, flux batch)", ("config", "dry"), [
-        (("-n",), dict(type=int, default=1, metavar="N", help="how many (default 1)")),
-        (("--array",), dict(action="store_true", help="as one array job (as "
-                            "script.array = true)"))]),
+        _opt("-n", type=int, default=1, metavar="N", help="how many (default 1)"),
+        _opt("--array", action="store_true", help="as one array job (as "
+             "script.array = true)")]),
     ("down", "cancel every worker or head job grain submitted (and turn the head's "
              "autoscaling off)", _AT_HEAD, []),
     ("pack", "build grain.pyz: grain.py with trio and dill inside, for machines without pip",
-     (), [(("-o", "--output"), dict(default="grain.pyz", metavar="FILE")),
-          (("--python",), dict(metavar="X.Y", help="the target Python (default: this one)")),
-          (("--wheels",), dict(metavar="DIR", help="take the wheels from DIR (offline)"))]),
+     (), [_opt("-o", "--output", default="grain.pyz", metavar="FILE"),
+          _opt("--python", metavar="X.Y", help="the target Python (default: this one)"),
+          _opt("--wheels", metavar="DIR", help="take the wheels from DIR (offline)")]),
     ("start", "submit the head job (head.cmd), or run it --local", ("config", "dry"), [
-        (("--local",), dict(action="store_true", help="run head.cmd here instead"))]),
+        _opt("--local", action="store_true", help="run head.cmd here instead")]),
     ("results", "show what a results store holds, or forget some of it", (), [
-        (("store",), dict(metavar="STORE", help="the store's file (run(results=...))")),
-        (("--forget",), dict(metavar="PATTERN", help="drop the entries of the functions "
-                             "matching this glob, e.g. 'compute*'")),
-        (("--state",), dict(choices=("done", "failed", "running"), help="with --forget: "
-                            "only those, e.g. failed"))]),
+        _opt("store", metavar="STORE", help="the store's file (run(results=...))"),
+        _opt("--forget", metavar="PATTERN", help="drop the entries of the functions "
+             "matching this glob, e.g. 'compute*'"),
+        _opt("--state", choices=("done", "failed", "running"), help="with --forget: "
+             "only those, e.g. failed")]),
 ]
 
 
@@ -10205,6 +10206,14 @@ def _cmd_start(args):
     return 0
 
 
+def _by_system(records):
+    """``{batch system: its records}``, in the order they come."""
+    groups = {}
+    for r in records:
+        groups.setdefault(r.get("system"), []).append(r)
+    return groups
+
+
 def _cmd_down(args):
     cfg = load_config(args.config)
     # A head that keeps a swarm would submit workers again for those cancelled here.
@@ -10219,19 +10228,15 @@ def _cmd_down(args):
                                  JobBook(cfg.role("head").listen))}
     cancelled = 0
     for book in books.values():
-        by_system = {}
-        for r in book.records():
-            by_system.setdefault(r.get("system"), []).append(r)
         live = set()  # and those whose state is unknown: cancelling them is safe
-        for system, records in by_system.items():
+        for system, records in _by_system(book.records()).items():
             states = batch_states(system, [r["id"] for r in records], custom)
             live |= {i for i, state in states.items() if state != ENDED}
 
         def cancel_live(records):
             nonlocal cancelled
-            keep, live_ones = [], [r for r in records if r["id"] in live]  # (ended: forget)
-            for system in dict.fromkeys(r.get("system") for r in live_ones):
-                ones = [r for r in live_ones if r.get("system") == system]
+            keep = []  # (ended: forget)
+            for system, ones in _by_system(r for r in records if r["id"] in live).items():
                 try:  # one command for all of a system's jobs (a custom one: one a job)
                     cancel_jobs(system, [r["id"] for r in ones], custom)
                 except GrainError as e:
