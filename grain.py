@@ -348,7 +348,7 @@ def parse_walltime(value, what="walltime"):
     """Seconds from an int/float or a ``[d-]hh:mm:ss`` string; ``None`` stays ``None``."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_number(value):
         return _check_amount(value, what, " of seconds")
     if isinstance(value, str):
         s = value.strip()
@@ -494,10 +494,15 @@ def lone_exception(exc):
     return exc
 
 
-def _is_async_callable(fn):
-    """True for ``async def`` functions, partials of them and objects with ``async __call__``."""
+def _unpartial(fn):
     while isinstance(fn, functools.partial):
         fn = fn.func
+    return fn
+
+
+def _is_async_callable(fn):
+    """True for ``async def`` functions, partials of them and objects with ``async __call__``."""
+    fn = _unpartial(fn)
     if inspect.iscoroutinefunction(fn) or getattr(fn, "_grain_async", False):
         return True
     call = getattr(type(fn), "__call__", None)
@@ -505,8 +510,7 @@ def _is_async_callable(fn):
 
 
 def _callable_name(fn):
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = _unpartial(fn)
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
@@ -1268,7 +1272,7 @@ class Cores(Resource):
     __slots__ = ("N", "_ids", "_total", "_counted")
 
     def __init__(self, N):
-        if isinstance(N, int) and not isinstance(N, bool):
+        if _is_number(N, int):
             self.N = self._total = _check_count(N, "Cores(N): the core count")
             self._ids = None
             self._counted = True
@@ -1315,7 +1319,7 @@ class Cores(Resource):
     def _alloc_near(self, res, near):
         """Like _alloc, taking the ids in ``near`` first (the cores close to a job's GPUs)."""
         ids = self._id_list()
-        taken = ([i for i in ids if i in near] + [i for i in ids if i not in near])[:res.N]
+        taken = sorted(ids, key=lambda i: i not in near)[:res.N]  # (stable: near first)
         alloc = Cores._of(sorted(taken))
         self._claim(alloc)
         return alloc
@@ -1610,10 +1614,10 @@ class _GroupTimes:
         if len(runs) >= GROUP_SAMPLES:
             mean = _statistics.mean(runs)
             sd = _statistics.stdev(runs)
-            self.limits[group] = (mean + 5 * sd, mean + 2 * sd)
+            self.limits[group] = limits = (mean + 5 * sd, mean + 2 * sd)
             del self.samples[group]
             log.info("WTime group %r: estimated T=%.1fs softT=%.1fs from %d runs",
-                     group, mean + 5 * sd, mean + 2 * sd, len(runs))
+                     group, *limits, len(runs))
 
 
 class WTime(Resource):
@@ -1864,11 +1868,11 @@ def outlives_head(wire):
 # sent to a worker or run here, one attempt more. ``adopt``, ``report``: a worker came back
 # running it, or with its result; a run counted already, or (it ran for an earlier head)
 # one. A running job meets them when the worker it was held for is back with it.
+_RUNNING_LIFE = {"adopt": "running", "report": "running", "requeue": "queued",
+                 "succeed": "done", "fail": "failed"}  # (a queued job: these, and start)
 JOB_LIFE = {
-    "queued": {"start": "running", "adopt": "running", "report": "running",
-               "requeue": "queued", "succeed": "done", "fail": "failed"},
-    "running": {"adopt": "running", "report": "running", "requeue": "queued",
-                "succeed": "done", "fail": "failed"},
+    "queued": {"start": "running", **_RUNNING_LIFE},
+    "running": _RUNNING_LIFE,
     "done": {},
     "failed": {},
 }
@@ -3632,12 +3636,16 @@ async def _try_connect(urls, key, head=None, theirs=None, timeout=EDGE_CONNECT_S
     raise Unreachable(why)
 
 
+# What a peer that hung up, broke the connection or broke the protocol raises
+LINK_ERRORS = (OSError, PeerError, trio.BrokenResourceError)
+
+
 async def _admitted(stream, key):
     """An incoming ``stream`` once its peer passed the handshake (we listen); if it did
     not, None, the stream closed with a warning naming the peer."""
     try:
         return await authenticate(stream, key, dialer=False)
-    except (PeerError, OSError, trio.BrokenResourceError) as e:
+    except LINK_ERRORS as e:
         # (one that hung up, as a process checking the socket is live does: no news)
         (log.debug if isinstance(e, (HungUp, trio.BrokenResourceError)) else log.warning)(
             "refused a connection from %s: %s", _peer_name(stream), e)
@@ -4254,7 +4262,7 @@ async def _serve_bridge(url, key, on_accept, task_status):
     async def meet(worker):
         try:
             stream = await _meet(host, port, label, options, worker)
-        except (OSError, PeerError, trio.BrokenResourceError) as e:
+        except LINK_ERRORS as e:
             return log.warning("no path to the worker at %s through the bridge %s:%d: %s",
                                worker[0], host, port, e)
         async with stream:
@@ -4267,7 +4275,7 @@ async def _serve_bridge(url, key, on_accept, task_status):
             try:
                 while True:
                     nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
-            except (OSError, PeerError, trio.BrokenResourceError) as e:
+            except LINK_ERRORS as e:
                 log.warning("lost the bridge at %s:%d (%s)", host, port, e)
 
     def failed(e, pause):
@@ -4277,8 +4285,7 @@ async def _serve_bridge(url, key, on_accept, task_status):
     async with open_strict_nursery() as nursery:
         task_status.started({"bridge": url})  # (workers wait for us as for a late head)
         while True:
-            await retry(on_the_bridge, (OSError, PeerError, trio.BrokenResourceError), 1.0,
-                        BRIDGE_BACKOFF_S, failed)
+            await retry(on_the_bridge, LINK_ERRORS, 1.0, BRIDGE_BACKOFF_S, failed)
             await trio.sleep(1.0)  # (lost: a bridge that closes at once is not redialled
             #                        in a tight loop)
 
@@ -4308,8 +4315,7 @@ async def _connect_bridge(url, key, wait):
             raise Unreachable(why) from None
         log.warning("%s; trying again in %g s", why, pause)
 
-    return await retry(attempt, (OSError, PeerError, trio.BrokenResourceError), 1.0,
-                       BRIDGE_BACKOFF_S, failed)
+    return await retry(attempt, LINK_ERRORS, 1.0, BRIDGE_BACKOFF_S, failed)
 
 
 MORE_SCHEMES["bridge"] = (_serve_bridge, _connect_bridge)
@@ -4350,7 +4356,7 @@ class BridgeServer:
             return log.warning("bridge: %s said nothing for %g s", peer, BRIDGE_WAIT_S)
         except (ValueError, KeyError):
             return log.warning("bridge: %s sent %r, not a message it knows", peer, text[:60])
-        except (PeerError, OSError, trio.BrokenResourceError) as e:
+        except LINK_ERRORS as e:
             return log.warning("bridge: %s: %s", peer, e)
         try:
             await act(stream, peer, label, rest)
@@ -6863,13 +6869,13 @@ class LocalWorker(Worker):
             _OUTPUT.set(self.output)
         clock = self.owner.clock
         started = clock()
+        value = error = None
         try:
             value = await run_job_here(job.fn, job.args, job.kwargs, job.alloc, self.name,
                                        self.context, job.T)
         except Exception as e:
-            self._report(job, None, e, clock() - started)
-        else:
-            self._report(job, value, None, clock() - started)
+            error = e
+        self._report(job, value, error, clock() - started)
 
     def _report(self, job, value, error, duration):
         self.owner.job_ended(job, value, error, duration)
@@ -7105,7 +7111,7 @@ class HeadService:
                                     "cli": functools.partial(self._answer, channel),
                                     "mission": functools.partial(self.owner.serve_mission,
                                                                  channel)}, first, peer)
-        except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
+        except (*LINK_ERRORS, KeyError, TypeError) as e:
             log.warning("connection from %s dropped: %s", peer, e)
         except Exception:  # a message we misread: the head goes on (and says what it was)
             log.exception("connection from %s dropped: a message it sent could not be "
