@@ -4363,13 +4363,6 @@ class BridgeServer:
         except Exception as e:  # its peer went mid-way: the bridge serves on
             log.info("bridge: %s went: %r", peer, lone_exception(e))
 
-    @staticmethod
-    async def _until_closed(stream, scope):
-        with contextlib.suppress(OSError, trio.BrokenResourceError):
-            while await stream.receive_some(1024):
-                pass
-        scope.cancel()
-
     async def _head(self, stream, peer, label, _):
         send, receive = trio.open_memory_channel(math.inf)
         if label in self.heads:  # a new head takes over; the old one hears no more
@@ -4380,7 +4373,7 @@ class BridgeServer:
             send.send_nowait(text)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._until_closed, stream, nursery.cancel_scope)
+                nursery.start_soon(self._pump, stream, None, nursery.cancel_scope)
                 async for text in receive:
                     await bridge_send(stream, text)
         finally:
@@ -4397,7 +4390,7 @@ class BridgeServer:
             self.waiting.setdefault(label, {})[peer] = f"{peer}|{private}"
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._until_closed, stream, nursery.cancel_scope)
+                nursery.start_soon(self._pump, stream, None, nursery.cancel_scope)
                 answer = await receive.receive()
                 await bridge_send(stream, answer)
                 log.info("bridge: worker %s meets head %s... at %s", peer, label[:8],
@@ -4438,9 +4431,12 @@ class BridgeServer:
 
     @staticmethod
     async def _pump(source, sink, scope):
+        """Copy what ``source`` sends to ``sink`` (None: drop it, only waiting for the close)
+        until ``source`` closes, then cancel ``scope``."""
         with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             while data := await source.receive_some(1 << 16):
-                await sink.send_all(data)
+                if sink is not None:
+                    await sink.send_all(data)
         scope.cancel()
 
 
