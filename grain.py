@@ -3636,16 +3636,12 @@ async def _try_connect(urls, key, head=None, theirs=None, timeout=EDGE_CONNECT_S
     raise Unreachable(why)
 
 
-# What a peer that hung up, broke the connection or broke the protocol raises
-LINK_ERRORS = (OSError, PeerError, trio.BrokenResourceError)
-
-
 async def _admitted(stream, key):
     """An incoming ``stream`` once its peer passed the handshake (we listen); if it did
     not, None, the stream closed with a warning naming the peer."""
     try:
         return await authenticate(stream, key, dialer=False)
-    except LINK_ERRORS as e:
+    except (OSError, PeerError, trio.BrokenResourceError) as e:
         # (one that hung up, as a process checking the socket is live does: no news)
         (log.debug if isinstance(e, (HungUp, trio.BrokenResourceError)) else log.warning)(
             "refused a connection from %s: %s", _peer_name(stream), e)
@@ -4262,7 +4258,7 @@ async def _serve_bridge(url, key, on_accept, task_status):
     async def meet(worker):
         try:
             stream = await _meet(host, port, label, options, worker)
-        except LINK_ERRORS as e:
+        except (OSError, PeerError, trio.BrokenResourceError) as e:
             return log.warning("no path to the worker at %s through the bridge %s:%d: %s",
                                worker[0], host, port, e)
         async with stream:
@@ -4275,7 +4271,7 @@ async def _serve_bridge(url, key, on_accept, task_status):
             try:
                 while True:
                     nursery.start_soon(meet, (await bridge_receive(stream)).split("|"))
-            except LINK_ERRORS as e:
+            except (OSError, PeerError, trio.BrokenResourceError) as e:
                 log.warning("lost the bridge at %s:%d (%s)", host, port, e)
 
     def failed(e, pause):
@@ -4285,7 +4281,8 @@ async def _serve_bridge(url, key, on_accept, task_status):
     async with open_strict_nursery() as nursery:
         task_status.started({"bridge": url})  # (workers wait for us as for a late head)
         while True:
-            await retry(on_the_bridge, LINK_ERRORS, 1.0, BRIDGE_BACKOFF_S, failed)
+            await retry(on_the_bridge, (OSError, PeerError, trio.BrokenResourceError), 1.0,
+                        BRIDGE_BACKOFF_S, failed)
             await trio.sleep(1.0)  # (lost: a bridge that closes at once is not redialled
             #                        in a tight loop)
 
@@ -4315,7 +4312,8 @@ async def _connect_bridge(url, key, wait):
             raise Unreachable(why) from None
         log.warning("%s; trying again in %g s", why, pause)
 
-    return await retry(attempt, LINK_ERRORS, 1.0, BRIDGE_BACKOFF_S, failed)
+    return await retry(attempt, (OSError, PeerError, trio.BrokenResourceError), 1.0,
+                       BRIDGE_BACKOFF_S, failed)
 
 
 MORE_SCHEMES["bridge"] = (_serve_bridge, _connect_bridge)
@@ -4356,7 +4354,7 @@ class BridgeServer:
             return log.warning("bridge: %s said nothing for %g s", peer, BRIDGE_WAIT_S)
         except (ValueError, KeyError):
             return log.warning("bridge: %s sent %r, not a message it knows", peer, text[:60])
-        except LINK_ERRORS as e:
+        except (OSError, PeerError, trio.BrokenResourceError) as e:
             return log.warning("bridge: %s: %s", peer, e)
         try:
             await act(stream, peer, label, rest)
@@ -7107,7 +7105,7 @@ class HeadService:
                                     "cli": functools.partial(self._answer, channel),
                                     "mission": functools.partial(self.owner.serve_mission,
                                                                  channel)}, first, peer)
-        except (*LINK_ERRORS, KeyError, TypeError) as e:
+        except (PeerError, OSError, trio.BrokenResourceError, KeyError, TypeError) as e:
             log.warning("connection from %s dropped: %s", peer, e)
         except Exception:  # a message we misread: the head goes on (and says what it was)
             log.exception("connection from %s dropped: a message it sent could not be "

@@ -9605,6 +9605,9 @@ def test_seed_import_lines_and_flat_names():
         assert importlib.util.find_spec("grain.subproc") is not None
         assert grain.open_waitgroup is open_waitgroup and grain.exec1 is exec1
         assert grain.run_combine is run_combine
+        # trio, dill and sqlite3 come on first use: most of the start-up time of `ls`,
+        # `--version` and a script that only imports (a module-level trio.X brings it)
+        assert not {"trio", "dill", "sqlite3"} & set(sys.modules), "imported at import"
         c = pickle.loads(pickle.dumps(Cores([1, 2])))
         assert type(c) is grain.Cores and c.c == [1, 2]
         print("ok")
