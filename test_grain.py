@@ -9468,6 +9468,22 @@ def test_pack_refuses_what_it_cannot_build(tmp_path):
     assert cp.stderr.strip().splitlines()[-1] == (
         f"grain.py pack: no wheel of trio supporting Python 3.9 in {wheels} (trio 0.31 is "
         "the newest for Python 3.9)")
+    # A file named like a wheel that is not one (no zip, or a zip without METADATA) is named
+    for name, body in (("bad-1.0-py3-none-any.whl", b"not a zip"), ("empty-1.0-py3-none-any.whl",
+                                                                     None)):
+        path = wheels / name
+        if body is None:
+            import zipfile
+            with zipfile.ZipFile(path, "w") as z:
+                z.writestr("empty-1.0.dist-info/RECORD", "")
+        else:
+            path.write_bytes(body)
+        cp = grain_cli("pack", "-o", str(tmp_path / "x.pyz"), "--python", "3.9",
+                       "--wheels", str(wheels))
+        assert cp.returncode == 1 and not (tmp_path / "x.pyz").exists()
+        assert cp.stderr.strip().splitlines()[-1] == (
+            f"grain.py pack: {path}: not a wheel (no METADATA)"), cp.stderr
+        path.unlink()
     # No package index: the installed copies, if they support the target.
     env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS="")
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
