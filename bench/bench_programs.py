@@ -23,6 +23,14 @@ skipped, with the reason):
   grain-worker  grain.py, a mission that is its own head with no local cores, and one
                 `grain.py worker` process offering 2 cores; jobs as grain-local's
   grain-trio    grain.py as grain-local, its jobs calling trio.run_process (no pin)
+  grain-local-1core, grain-worker-1core
+                grain-local and grain-worker with the programs' machine made one core
+                (the last): the mission, or the worker process, and its programs run on
+                it, and the worker's head runs on another core (the first), as a head on
+                a node of its own would. Where the two share cores (grain-worker), the
+                head's work a job is CPU that in-process running never spends; here it
+                is not, and what remains is the worker process's own cost a job. Needs 2
+                cores or more
   upstream      grain-scheduler 0.17.1, run(main, local=Cores(2)), jobs @ Cores(1)
                 calling trio.run_process (no pin)
   hyperqueue    HyperQueue's Python API: LocalCluster (server and worker in-process)
@@ -72,6 +80,11 @@ SYSTEMS = {
                      "grain.py, run_program, one worker process"),
     "grain-trio": ("grainpy", "import trio, dill",
                    "a grain.py job calling trio.run_process (no pin)"),
+    "grain-local-1core": ("grainpy", "import trio, dill",
+                          "grain.py, run_program, in-process worker, on one core"),
+    "grain-worker-1core": ("grainpy", "import trio, dill",
+                           "grain.py, run_program, one worker process on one core, "
+                           "its head on another"),
     "upstream": ("upstream", "import grain.delayed, importlib.metadata as m; "
                  "assert m.version('grain-scheduler') == '0.17.1'",
                  "upstream 0.17.1 (trio.run_process, no pin)"),
@@ -173,9 +186,16 @@ def grain_trio(batches, capture):
     return grain_local(batches, capture, body=with_trio)
 
 
-def grain_worker(batches, capture):
+def grain_local_1core(batches, capture):
+    """grain_local, its process (so its programs) on the last core alone."""
+    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    return grain_local(batches, capture)
+
+
+def grain_worker(batches, capture, cores=None):
     """Its own head with no local cores, listening on an Edge file; one `grain.py worker`
-    process (this HOME, so the same key) offering SLOTS cores."""
+    process (this HOME, so the same key) offering SLOTS cores. ``cores``: ``(the head's,
+    the worker's)`` sets of cores (the worker then offers SLOTS virtual ones)."""
     import _peers
     from grain.delayed import delayed, run
     from grain.resource import ZERO
@@ -184,13 +204,26 @@ def grain_worker(batches, capture):
     procs = []
 
     async def main():
-        procs.append(_peers.grainpy_worker(edge, SLOTS, "w0"))
+        if cores is None:
+            procs.append(_peers.grainpy_worker(edge, SLOTS, "w0"))
+        else:  # (a child's cores are those of the thread that started it)
+            os.sched_setaffinity(0, cores[1])
+            procs.append(_peers.grainpy_worker(edge, SLOTS, "w0", "--oversubscribe"))
+            os.sched_setaffinity(0, cores[0])
         return await grain_batches(program, batches, capture)  # (warm-up waits for it)
 
     try:
         return run(main, local=ZERO, address=f"edge://{edge}", config_file=False)
     finally:
         _peers.stop(procs)
+
+
+def grain_worker_1core(batches, capture):
+    """grain_worker, its worker process (so its programs) on the last core alone and its
+    head on the first."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    return grain_worker(batches, capture, cores=({min(allowed)}, {max(allowed)}))
 
 
 def upstream(batches, capture):
@@ -299,8 +332,9 @@ def parsl(batches, capture):
 
 
 RUNNERS = {"floor": floor, "grain-local": grain_local, "grain-worker": grain_worker,
-           "grain-trio": grain_trio, "upstream": upstream, "hyperqueue": hyperqueue,
-           "dask": dask, "parsl": parsl}
+           "grain-trio": grain_trio, "grain-local-1core": grain_local_1core,
+           "grain-worker-1core": grain_worker_1core, "upstream": upstream,
+           "hyperqueue": hyperqueue, "dask": dask, "parsl": parsl}
 
 
 def check(results, expected, n):
@@ -354,6 +388,8 @@ def availability(system):
     """``(python, None)``, or ``(None, why it is skipped)``."""
     venv, probe, _ = SYSTEMS[system]
     python = venv_python(system)
+    if system.endswith("-1core") and len(os.sched_getaffinity(0)) < 2:
+        return None, "needs 2 cores or more (the head's and the worker's)"
     if python is None:
         return None, (f"bench/.venvs/{venv} is missing: run "
                       "`python bench/bench_programs.py --setup`")
@@ -439,6 +475,8 @@ def done_when(med):
                                               lambda r: r >= 0.5)),
         ("W1 worker process >= 0.9x in-process", holds(ratio(worker, "W1", local),
                                                        lambda r: r >= 0.9)),
+        ("W1 worker process >= 0.9x in-process, on one core with its head apart",
+         holds(ratio(worker + "-1core", "W1", local + "-1core"), lambda r: r >= 0.9)),
         ("W2 in-process <= 1.10x ideal", holds(ratio(local, "W2", "ideal"),
                                                lambda r: r <= 1.10)),
         ("W2 worker process <= 1.10x ideal", holds(ratio(worker, "W2", "ideal"),
@@ -513,7 +551,7 @@ def main():
           f"{' '.join(sys.argv[1:])}`: medians of {opts.rounds} round(s), systems "
           f"alternating within each round, {SLOTS} task slots of one core in each; every "
           "result checked.\n")
-    print(f"| system | W1: {n1:,} × /bin/true, tasks/s | W1 / grain-local | "
+    print(f"| system | W1: {n1:,} × /bin/true, tasks/s | W1 / in-process on the same cores | "
           f"W2: {n2:,} × `sleep {SLEEP_S}`, makespan / ideal | "
           f"W3: {n3:,} × `python3 -c` printing a sum, stdout returned, wall s |")
     print("|---|---:|---:|---:|---:|")
@@ -522,7 +560,8 @@ def main():
             print(f"| {s}: skipped ({skipped[s]}) | — | — | — | — |")
             continue
         cells = [fmt(w, med.get((s, w))) for w in WORKLOADS]
-        base, mine = med.get(("grain-local", "W1")), med.get((s, "W1"))
+        local = "grain-local-1core" if s.endswith("-1core") else "grain-local"
+        base, mine = med.get((local, "W1")), med.get((s, "W1"))
         ratio = f"{mine / base:.2f}" if base and mine else "—"
         print(f"| {label(s, systems[s])} | {cells[0]} | {ratio} | {cells[1]} | "
               f"{cells[2]} |")
