@@ -8857,8 +8857,9 @@ async def open_nursery_with_capacity(conc):
     """A trio nursery with ``start_once_acquired(fn, *args)``, which waits until fewer than
     ``conc`` of the tasks it started run, then starts ``fn(*args)`` (upstream's
     grain.util)."""
+    conc = _check_count(conc, "open_nursery_with_capacity(conc)", 1)  # (0: nothing starts)
     async with open_strict_nursery() as nursery:
-        yield _CappedNursery(nursery, _check_count(conc, "open_nursery_with_capacity(conc)"))
+        yield _CappedNursery(nursery, conc)
 
 
 def _oneline_array_repr(a, edgeitems=3):

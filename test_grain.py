@@ -7896,8 +7896,13 @@ async def test_queue_limiter_and_a_nursery_with_capacity(autojump_clock):
         for i in range(5):
             await nursery.start_once_acquired(busy, i)
     assert peak[0] == 2 and trio.current_time() == 7
-    with pytest.raises(ValueError, match="QueueLimiter"):
+    # a capacity of 0 would start nothing, ever: refused, as the limiter's is
+    with pytest.raises(ValueError, match=r"QueueLimiter\(conc\) must be a whole number >= 1"):
         async with grain.util.QueueLimiter(0):
+            pass
+    with pytest.raises(ValueError, match=r"open_nursery_with_capacity\(conc\) must be a "
+                       r"whole number >= 1, got 0"):
+        async with grain.util.open_nursery_with_capacity(0):
             pass
 
 
