@@ -4542,6 +4542,29 @@ def test_a_job_key_follows_what_it_computes():
         "34ecdc3174d876ef5c37717afa399a792efd244d"
 
 
+@pytest.mark.parametrize("skew", [-300, 300])
+def test_a_store_held_from_another_host_is_judged_by_the_file_servers_clock(tmp_path,
+                                                                          monkeypatch, skew):
+    # A holder on another host is alive while its file is touched, by the clock of the
+    # file server that touched it: this host's clock running minutes ahead must not take a
+    # live store (two missions would write it), nor one running behind keep a dead one.
+    path = tmp_path / "r.db"
+    grain.ResultStore(path).open().close()
+    holder = tmp_path / "r.db.holder"
+    holder.write_text(_json.dumps({"host": "elsewhere", "pid": 1, "since": 0}))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew)
+    with pytest.raises(grain.GrainError, match=r"is in use by the mission pid 1 on "
+                       "elsewhere"):
+        grain.ResultStore(path).open()
+    assert holder.exists()
+    old = real_time() - 2 * grain.STORE_STALE_S
+    os.utime(holder, (old, old))
+    store = grain.ResultStore(path).open()
+    assert store.crashed and _json.loads(holder.read_text())["host"] == grain.hostname()
+    store.close()
+
+
 def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path, caplog):
     path = tmp_path / "r.db"
     store = grain.ResultStore(path).open()
