@@ -769,17 +769,23 @@ def _file_server_now(fd):
     return os.fstat(fd).st_mtime
 
 
+def file_server_time(directory):
+    """The time now by the clock of the file server of ``directory``, for times that hosts
+    write in a shared file and read there: their own clocks may be minutes apart. OSError
+    when its file ``.now`` cannot be made or touched."""
+    fd = os.open(os.path.join(directory, ".now"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        return _file_server_now(fd)
+    finally:
+        os.close(fd)
+
+
 def touched_within(path, seconds):
     """Was the file at ``path`` touched in the last ``seconds`` by its file server's clock?
     False when it cannot be read. (Opened, not just stat'ed: NFS then asks the server
     instead of answering from what it cached.)"""
     try:
-        fd = os.open(os.path.join(os.path.dirname(path), ".now"), os.O_RDWR | os.O_CREAT,
-                     0o600)
-        try:
-            now = _file_server_now(fd)
-        finally:
-            os.close(fd)
+        now = file_server_time(os.path.dirname(path))
         with open(path, "rb") as f:
             return now - os.fstat(f.fileno()).st_mtime < seconds
     except OSError:
@@ -3541,7 +3547,8 @@ def _peer_name(stream):
 class EdgeFile:
     """The Edge rendezvous file: JSON ``{"listener": {...} | null, "dialer": [...]}``, mode
     0600, changed only under edit_locked(). The listener (a head) records ``host``, ``lid``,
-    ``pid``, ``heartbeat`` (Unix time, refreshed every EDGE_HEARTBEAT_S), ``urls``
+    ``pid``, ``heartbeat`` (Unix time by the file server's clock, see now(); refreshed every
+    EDGE_HEARTBEAT_S), ``urls``
     ({interface: url}) and ``key`` (its key file, for those who hold another to be told
     which to copy); a dialer (a worker) that finds no live listener, where it listens."""
 
@@ -3574,13 +3581,19 @@ class EdgeFile:
             log.warning("Edge file %s is corrupt (%s); starting it afresh", self.path, e)
         return {"listener": None, "dialer": []}
 
-    @staticmethod
-    def live(record):
+    def now(self):
+        """The time by the clock of the Edge file's server (this host's if it cannot say):
+        a head's heartbeat, written from one node, is read from others."""
+        with contextlib.suppress(OSError):
+            return file_server_time(os.path.dirname(self.path))
+        return time.time()
+
+    def live(self, record):
         """Is a listener record fresh? (A head that died leaves a stale heartbeat.)"""
         if not isinstance(record, dict) or not isinstance(record.get("urls"), dict):
             return False
         beat = record.get("heartbeat")
-        if not isinstance(beat, (int, float)) or time.time() - beat > EDGE_STALE_S:
+        if not isinstance(beat, (int, float)) or self.now() - beat > EDGE_STALE_S:
             return False
         return record.get("host") != hostname() or _pid_lives(record.get("pid"))
 
@@ -3721,7 +3734,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
     with edge.locked() as data:
         current = data["listener"]
     silent = None  # the lid of a record that looks live but whose head does not answer
-    if EdgeFile.live(current):
+    if edge.live(current):
         try:
             await (await _try_connect(_order_urls(current), key)).aclose()
         except Unreachable:
@@ -3751,7 +3764,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
             while True:
                 with edge.locked() as data:
                     current = data["listener"]
-                    if first and EdgeFile.live(current) and current.get("lid") != silent:
+                    if first and edge.live(current) and current.get("lid") != silent:
                         raise GrainError(
                             f"a head is already listening at edge://{path} (pid "
                             f"{current.get('pid')} on {current.get('host')}); stop it first")
@@ -3762,7 +3775,7 @@ async def _serve_edge(path, key, on_accept, handler, task_status):
                     # A worker's record stays until the worker takes it back, once called:
                     # a call cut short (this head ending, killed) leaves it to the next head.
                     pending = data["dialer"]
-                    data["listener"] = dict(record, heartbeat=time.time())
+                    data["listener"] = dict(record, heartbeat=edge.now())
                 for dialer in pending:
                     if dialer.get("did") not in calling:
                         calling.add(dialer.get("did"))
@@ -3794,10 +3807,10 @@ async def connect(url, key, *, wait=False):
         with edge.locked() as data:
             record = data["listener"]
         lid = record.get("lid") if isinstance(record, dict) else None
-        if EdgeFile.live(record) and lid == other:  # not ours, still there
+        if edge.live(record) and lid == other:  # not ours, still there
             await trio.sleep(EDGE_HEARTBEAT_S)  # (a wait for it to go, no try: not retry())
             continue
-        if EdgeFile.live(record):
+        if edge.live(record):
             try:
                 return await _try_connect(_order_urls(record), key, url, record.get("key"))
             except Unreachable as e:
@@ -3840,7 +3853,7 @@ async def _wait_to_be_called(edge, seen, key, say=log.info):
         scope.cancel()
     try:
         with edge.locked() as data:
-            if EdgeFile.live(data["listener"]) and data["listener"] != seen:
+            if edge.live(data["listener"]) and data["listener"] != seen:
                 return None
             data["dialer"].append({"host": hostname(), "did": did, "pid": os.getpid(),
                                    "urls": urls})
@@ -10020,8 +10033,9 @@ def _head_seems_there(address):
     with contextlib.suppress(GrainError, OSError, ValueError):
         scheme, host, where = parse_url(address)
         if scheme == "edge":
-            record = EdgeFile(where)._read()["listener"]
-            return EdgeFile.live(record) and (record.get("key") or True)
+            edge = EdgeFile(where)
+            record = edge._read()["listener"]
+            return edge.live(record) and (record.get("key") or True)
         if scheme in ("tcp", "unix"):
             with socket.socket(socket.AF_UNIX if scheme == "unix" else socket.AF_INET6
                                if ":" in host else socket.AF_INET) as probe:

@@ -1737,7 +1737,27 @@ def test_edge_file_recovery(tmp_path):
                     '["a list"]']:
         edge.write_text(content)
         with grain.EdgeFile(str(edge)).locked() as data:
-            assert not grain.EdgeFile.live(data["listener"]) and data["dialer"] == []
+            assert not grain.EdgeFile(str(edge)).live(data["listener"])
+            assert data["dialer"] == []
+
+
+@pytest.mark.parametrize("skew", [-300, 300])
+def test_a_heads_edge_record_is_aged_by_the_file_servers_clock(tmp_path, monkeypatch, skew):
+    # A head on one node writes its heartbeat; workers and other heads on other nodes,
+    # whose clocks may be minutes off, read it. Both sides use the file server's clock: a
+    # live head is not taken for dead (a second head would replace it, its workers would
+    # wait for nobody), nor a dead one for live (no head could start there).
+    path = tmp_path / "edge"
+    edge = grain.EdgeFile(str(path))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew)  # (this host's clock)
+    for age, live in ((0, True), (2 * grain.EDGE_STALE_S, False)):
+        with edge.locked() as data:
+            data["listener"] = {"host": "elsewhere", "lid": "h", "pid": 1,
+                                "heartbeat": grain.file_server_time(str(tmp_path)) - age,
+                                "urls": {"lo": "tcp://127.0.0.1:1"}}
+        assert edge.live(data["listener"]) is live
+        assert bool(grain._head_seems_there(f"edge://{path}")) is live
 
 
 def test_an_address_that_cannot_be_listened_on_is_named():
