@@ -769,23 +769,24 @@ def _file_server_now(fd):
     return os.fstat(fd).st_mtime
 
 
-def file_server_time(directory):
-    """The time now by the clock of the file server of ``directory``, for times that hosts
-    write in a shared file and read there: their own clocks may be minutes apart. OSError
-    when its file ``.now`` cannot be made or touched."""
-    fd = os.open(os.path.join(directory, ".now"), os.O_RDWR | os.O_CREAT, 0o600)
+def file_server_time(path):
+    """The time now by the clock of the file server of ``path``, a file of grain's that it
+    touches (made if need be), for times that hosts write in shared files and read there:
+    their own clocks may be minutes apart. OSError when it cannot be touched."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         return _file_server_now(fd)
     finally:
         os.close(fd)
 
 
-def touched_within(path, seconds):
-    """Was the file at ``path`` touched in the last ``seconds`` by its file server's clock?
-    False when it cannot be read. (Opened, not just stat'ed: NFS then asks the server
-    instead of answering from what it cached.)"""
+def touched_within(path, seconds, probe=None):
+    """Was the file at ``path`` touched in the last ``seconds`` by its file server's clock
+    (read at ``probe``, by default ``.now`` beside it)? False when it cannot be read.
+    (Opened, not just stat'ed: NFS then asks the server instead of answering from what it
+    cached.)"""
     try:
-        now = file_server_time(os.path.dirname(path))
+        now = file_server_time(probe or os.path.join(os.path.dirname(path), ".now"))
         with open(path, "rb") as f:
             return now - os.fstat(f.fileno()).st_mtime < seconds
     except OSError:
@@ -3585,7 +3586,7 @@ class EdgeFile:
         """The time by the clock of the Edge file's server (this host's if it cannot say):
         a head's heartbeat, written from one node, is read from others."""
         with contextlib.suppress(OSError):
-            return file_server_time(os.path.dirname(self.path))
+            return file_server_time(self.path + ".lock")  # (edit_locked's)
         return time.time()
 
     def live(self, record):
@@ -6425,7 +6426,7 @@ class ResultStore:
             return
         # (by the file server's clock, which touched it: this host's may be minutes off)
         dead = (not _pid_lives(who.get("pid")) if who.get("host") == hostname()
-                else not touched_within(self.holder, STORE_STALE_S))
+                else not touched_within(self.holder, STORE_STALE_S, probe=self.path))
         if not dead:
             raise GrainError(
                 f"results store {self.path} is in use by the mission pid {who.get('pid')} "

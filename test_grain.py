@@ -1754,10 +1754,11 @@ def test_a_heads_edge_record_is_aged_by_the_file_servers_clock(tmp_path, monkeyp
     for age, live in ((0, True), (2 * grain.EDGE_STALE_S, False)):
         with edge.locked() as data:
             data["listener"] = {"host": "elsewhere", "lid": "h", "pid": 1,
-                                "heartbeat": grain.file_server_time(str(tmp_path)) - age,
+                                "heartbeat": grain.file_server_time(f"{path}.lock") - age,
                                 "urls": {"lo": "tcp://127.0.0.1:1"}}
         assert edge.live(data["listener"]) is live
         assert bool(grain._head_seems_there(f"edge://{path}")) is live
+    assert sorted(os.listdir(tmp_path)) == ["edge", "edge.lock"]
 
 
 def test_an_address_that_cannot_be_listened_on_is_named():
@@ -4583,6 +4584,7 @@ def test_a_store_held_from_another_host_is_judged_by_the_file_servers_clock(tmp_
     store = grain.ResultStore(path).open()
     assert store.crashed and _json.loads(holder.read_text())["host"] == grain.hostname()
     store.close()
+    assert sorted(os.listdir(tmp_path)) == ["r.db"]  # (the clock read leaves no file)
 
 
 def test_a_store_is_held_by_one_mission_and_a_broken_one_is_named(tmp_path, caplog):
