@@ -4887,7 +4887,7 @@ class SubprocessPool:
                        else f"exited with code {code}")
                 raise BrokenSubprocessError(
                     f"pool process {child.process.pid} running {_callable_name(fn)} {how}")
-            child.idle_since = trio.current_time()
+            child.idle_since = _now()
             self._idle.append(child)
         success, value = dill.loads(frame)
         if success:
@@ -4903,7 +4903,7 @@ class SubprocessPool:
     async def _reap_idle(self):
         while True:
             await trio.sleep(min(SUBPROC_IDLE_S, SUBPROC_REAP_S))
-            cutoff = trio.current_time() - SUBPROC_IDLE_S
+            cutoff = _now() - SUBPROC_IDLE_S
             old = [c for c in self._idle if c.idle_since <= cutoff]
             self._idle[:] = [c for c in self._idle if c.idle_since > cutoff]
             for child in old:
@@ -4988,7 +4988,7 @@ class Subprocified:
                 f"its job holds {res!r}: submit it with Cores(1) or more")
         pin = _real_cores(res)  # virtual (oversubscribed) ids pin nothing
         deadline = trio.current_effective_deadline() - SUBPROC_MARGIN_S
-        timeout = None if deadline == math.inf else deadline - trio.current_time()
+        timeout = None if deadline == math.inf else deadline - _now()
         return await rt.pool.call(self.fn, args, kwargs, res, _INSTANCE.get(), pin, timeout)
 
     def __repr__(self):
@@ -6697,7 +6697,7 @@ class MissionResults:
 
     async def keep(self):
         """Write recorded results every STORE_FLUSH_S; say the store is held."""
-        beat = trio.current_time()
+        beat = _now()
         self.store.start_writer()
         self._waiting = waiting = []
         try:
@@ -6719,8 +6719,8 @@ class MissionResults:
                     raise
                 for written in waiting:
                     written.set()
-                if trio.current_time() - beat > STORE_BEAT_S:
-                    beat = trio.current_time()
+                if _now() - beat > STORE_BEAT_S:
+                    beat = _now()
                     self.store.beat()
         finally:  # (its callers go on: the store's close writes what they wait for)
             for written in waiting + (self._waiting or []):
@@ -8193,7 +8193,7 @@ class GrainExecutor(HeadCore):
             self._runtime.pool = rt.pool  # a pool opened around us stays usable
         # reset before the context modules exit, which may set it too
         self._stack.callback(_RUNTIME.reset, _RUNTIME.set(self._runtime))
-        self._t0 = time.perf_counter()
+        self._t0 = _now()
         self._zero_worker = LocalWorker(self, ZERO, self.local_name, self._nursery, context,
                                         output, in_order=True)
         if self.rpw is not None and self.rpw._parts():
@@ -8244,7 +8244,7 @@ class GrainExecutor(HeadCore):
             try:  # (a Ctrl-C that trio raised in a task of its nursery comes out here)
                 await self._close()
             finally:
-                self.elapsed = time.perf_counter() - self._t0
+                self.elapsed = _now() - self._t0
                 jobs = [j for j in self._jobs if not _asks_nothing(j.req)]
                 log.info("Time elapsed for all jobs: %.3fs; %s", self.elapsed,
                          self.record.summary(jobs, self._here, self.stored))
@@ -9038,7 +9038,7 @@ class WorkerProcess:
                 scope.cancel()
         # Of the results of one job, only the last goes again, and none while it runs: the
         # head ran it again after the earlier (a retry), which a new head must not retry.
-        since = trio.current_time() - RESEND_S
+        since = _now() - RESEND_S
         last = {}
         for t, msg in self.recent:
             if t > since and msg[1] not in self.running:
@@ -9047,7 +9047,7 @@ class WorkerProcess:
         self.recent.clear()
         log.warning("lost the head (%s); keeping %d running job(s) and looking for a head "
                     "for %g s (worker.reattach)", how, kept, self.reattach)
-        self.state, self.why, self.until = "alone", how, trio.current_time() + self.reattach
+        self.state, self.why, self.until = "alone", how, _now() + self.reattach
         return True
 
     async def _look_for_head(self, reconnect):
@@ -9072,7 +9072,7 @@ class WorkerProcess:
         self._job_tasks.start(jid, self.functions.get(digest), payload, alloc, T)
 
     async def _run_job(self, jid, fn, payload, alloc, T):
-        started = trio.current_time()
+        started = _now()
         with trio.CancelScope() as scope:
             self.running[jid] = (scope, alloc)
             try:
@@ -9088,7 +9088,7 @@ class WorkerProcess:
             except Exception as e:
                 reply = (False, pickled_failure(e, f"Traceback on worker {self.name}:\n"
                                                 f"{traceback.format_exc()}"), failure_class(e))
-            self.send(("done", jid, *reply[:2], trio.current_time() - started, *reply[2:]))
+            self.send(("done", jid, *reply[:2], _now() - started, *reply[2:]))
         self.running.pop(jid, None)
         if jid in self.cancelled:  # its resources are free again: tell the head
             self.cancelled.discard(jid)
@@ -9102,7 +9102,7 @@ class WorkerProcess:
         may outlive this head)."""
         if self.reattach <= 0 or not outlives_head(msg[1]):
             return
-        now = trio.current_time()
+        now = _now()
         self.recent.append((now, msg))
         while self.recent[0][0] < now - RESEND_S:
             self.recent.popleft()
@@ -9321,7 +9321,7 @@ class SwarmKeeper:
             self.changed = trio.Event()
             with trio.move_on_after(SWARM_CHECK_S):
                 await self.changed.wait()
-            now = trio.current_time()
+            now = _now()
             if self.pending and now - last_states >= SWARM_STATES_S:
                 last_states = now
                 states = await trio.to_thread.run_sync(
@@ -9339,7 +9339,7 @@ class SwarmKeeper:
     async def _submit(self, joined, short):
         """Submit a worker job, or (script.array) an array job of ``short`` workers, as far
         as the quota and script.max_queued allow."""
-        now = trio.current_time()  # (the quota's clock: steady, and a test's mock one)
+        now = _now()  # (the quota's clock: steady, and a test's mock one)
         wait = self.quota_wait(now)
         room = queue_room(self.settings, short, len(self.pending))
         if not room:
