@@ -9692,16 +9692,6 @@ def _from_installed(names, target):
     return out
 
 
-def _pip_download(names, target, dest):
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-           "--python-version", f"{target[0]}.{target[1]}", "--no-deps", "-d", dest, *names]
-    try:
-        cp = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"pip could not run ({e})"
-    return None if cp.returncode == 0 else (cp.stderr.strip().splitlines() or ["?"])[-1]
-
-
 def find_python(target):
     """An interpreter of version ``target`` to test a bundle with: this one, one of pyenv's,
     or pythonX.Y on PATH (pyenv's shims only pretend to be one)."""
@@ -9774,14 +9764,17 @@ def pack(out="grain.pyz", python=None, wheels=None, say=print):
         with tempfile.TemporaryDirectory() as d:
             # pip evaluates markers for this interpreter, not the target: name every
             # package ourselves (--no-deps) rather than trust its dependency resolution.
-            why = _pip_download(names, target, d)
-            if why is None:
+            try:
+                _run_command([sys.executable, "-m", "pip", "download", "--quiet",
+                              "--only-binary=:all:", "--python-version",
+                              f"{target[0]}.{target[1]}", "--no-deps", "-d", d, *names],
+                             "pip download", timeout=300)
+            except GrainError as e:
+                say(f"pack: {e}; using this interpreter's installed copies")
+                packages = _from_installed(names, target)
+            else:
                 packages = _from_wheels(d, names, target)
                 say(f"pack: downloaded wheels for Python {target[0]}.{target[1]} with pip")
-            else:
-                say(f"pack: pip download failed ({why}); using this interpreter's "
-                    "installed copies")
-                packages = _from_installed(names, target)
     say("pack: " + ", ".join(f"{n} {v}" for n, (v, _) in packages.items()))
     tmp = build_bundle(packages, out)
     interpreter = find_python(target)
