@@ -594,19 +594,26 @@ async def open_background_nursery():
         await manager.__aexit__(None, None, None)
 
 
-async def retry(attempt, errors, pause, most=None, failed=None):
-    """``await attempt()`` until it returns, again after each of ``errors``: ``pause``
-    seconds later, each pause twice the last up to ``most`` (None: ``pause`` each time).
-    ``failed(error, pause)`` hears of each failure first, and may raise to give up. (Each
-    call starts afresh: a loop that lost what it reached calls again.)"""
+def pauses(first, most=None):
+    """The back-off of every loop that tries again: ``first`` seconds, then each pause twice
+    the last, up to ``most`` (None: ``first`` each time)."""
     while True:
+        yield first
+        first = min(2 * first, most or first)
+
+
+async def retry(attempt, errors, pause, most=None, failed=None):
+    """``await attempt()`` until it returns, again after each of ``errors``, after pauses()
+    of ``pause`` up to ``most``. ``failed(error, pause)`` hears of each failure first, and
+    may raise to give up. (Each call starts afresh: a loop that lost what it reached calls
+    again.)"""
+    for pause in pauses(pause, most):
         try:
             return await attempt()
         except errors as e:
             if failed is not None:
                 failed(e, pause)
         await trio.sleep(pause)
-        pause = min(2 * pause, most or pause)
 
 
 class HeapFreezer:
@@ -816,8 +823,7 @@ def _hold_by_creating(path, now):
     ``release()``. A file older than LOCK_STALE_S by ``now()`` (the file server's clock)
     was left by a process killed holding it (a hold lasts milliseconds): it is taken over
     by renaming it, which only one taker can, and released only if it is still ours."""
-    pause = 0.001
-    while True:
+    for pause in pauses(0.001, 0.05):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             break
@@ -829,7 +835,6 @@ def _hold_by_creating(path, now):
                     os.unlink(taken)
                     continue
         time.sleep(pause)
-        pause = min(2 * pause, 0.05)
     ours = os.fstat(fd).st_ino
     os.close(fd)
 
@@ -4700,10 +4705,10 @@ class _Program:
         return popen.wait(), kept.get(out), kept.get(err, b"")
 
     async def wait(self):
-        pause = 0.001  # (only a cancelled program is waited for this way)
-        while self.started and not self.ended:
+        for pause in pauses(0.001, 0.1):  # (only a cancelled program is waited for so)
+            if not self.started or self.ended:
+                return
             await trio.sleep(pause)
-            pause = min(2 * pause, 0.1)
 
 
 async def run_program(cmd, *, cwd=None, stdin=None, stdout=None, stderr=None, check=True,
@@ -5844,7 +5849,8 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
         f"-{os.urandom(3).hex()}.sh")
     atomic_write(path, script.encode(), mode=0o700)
     argv += list(extra_args) + ([] if spec.get("stdin") else [path])
-    for attempt in range(SUBMIT_TRIES):  # a busy controller is tried again, with back-off
+    # A busy controller is tried again, with back-off
+    for attempt, wait in zip(range(SUBMIT_TRIES), pauses(SUBMIT_BACKOFF_S, math.inf)):
         try:
             out = _run_command(argv, "submission", spec["hint"], SUBMIT_S,
                                script if spec.get("stdin") else None)
@@ -5855,7 +5861,6 @@ def submit_script(s, script, extra_args=(), role="worker", when=None, seq=0, tas
             if attempt + 1 == SUBMIT_TRIES:
                 raise GrainError(f"{e} (tried {SUBMIT_TRIES} times: the batch system was "
                                  "busy each time)") from None
-            wait = SUBMIT_BACKOFF_S * 2 ** attempt
             log.warning("%s; the batch system is busy: trying again in %g s", e, wait)
             time.sleep(wait)
     found = re.search(spec.get("job_id", r"([^\s;]+)(?:;\S*)?\s*$"), out)
