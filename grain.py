@@ -1862,6 +1862,12 @@ def interrupted(job, w, kind, why):
 PAST_T = "ran past its T"  # a failure class, and how the error of one starts (run_job_here)
 
 
+# What a job may raise for its caller to get: its exceptions, and a sys.exit() in it, which
+# ends that job, not the worker that runs it (a worker gone would lose its other jobs, and
+# its retries would end the next worker the same way). A Ctrl-C is the process's own.
+JOB_ERRORS = (Exception, SystemExit)
+
+
 def failure_class(error):
     """How a job that raised ``error`` failed, for counts and messages (not retried)."""
     return PAST_T if isinstance(error, trio.TooSlowError) else "raised"
@@ -6886,7 +6892,7 @@ class LocalWorker(Worker):
         try:
             value = await run_job_here(job.fn, job.args, job.kwargs, job.alloc, self.name,
                                        self.context, job.T)
-        except Exception as e:
+        except JOB_ERRORS as e:
             error = e
         self._report(job, value, error, clock() - started)
 
@@ -9090,7 +9096,7 @@ class WorkerProcess:
                     reply = (True, dumps_job_value(value, "the result"))
                 except TypeError as e:
                     raise GrainError(f"{e} (type {type(value).__name__})") from None
-            except Exception as e:
+            except JOB_ERRORS as e:
                 reply = (False, pickled_failure(e, f"Traceback on worker {self.name}:\n"
                                                 f"{traceback.format_exc()}"), failure_class(e))
             self.send(("done", jid, *reply[:2], _now() - started, *reply[2:]))

@@ -9105,6 +9105,72 @@ def test_a_failure_through_the_daemon_names_its_job_and_the_worker_that_ran_it(d
     assert "on worker head" not in out
 
 
+EXITING_JOB = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, run
+    from grain.resource import Cores
+
+    @delayed
+    async def quits(x):
+        if x:
+            sys.exit(x)
+        return "after"
+
+    async def main():
+        try:
+            await (quits @ Cores(1))(3)
+        except SystemExit as e:
+            print(f"SystemExit {{e.code}}", *e.__notes__, sep="\\n", flush=True)
+        print(await (quits @ Cores(1))(0), flush=True)
+
+    run(main, config_file={config!r})
+""")
+
+
+def test_a_job_that_calls_sys_exit_fails_itself_not_its_worker(daemon):
+    # A job's sys.exit() reaches its caller as the job's SystemExit, run once (no class
+    # retries it), and the worker that ran it serves the next job: before, the worker
+    # process exited, its job was retried as lost and ended the next worker too.
+    worker = daemon.worker(name="node-7")
+    daemon.script.write_text(EXITING_JOB.format(here=HERE, config=str(daemon.config)))
+    mission = daemon.mission()
+    out, err = mission.communicate(timeout=60)
+    assert mission.returncode == 0, err
+    assert re.fullmatch(r"SystemExit 3\n.*Traceback on worker node-7:\n.*\nafter\n", out,
+                        re.S), out
+    assert worker.poll() is None
+    assert "lost" not in (daemon.tmp_path / "head.log").read_text()
+    daemon.wait_ls("node-7")
+
+
+def test_a_job_that_calls_sys_exit_in_the_mission_ends_it_with_that_status(tmp_path):
+    # In the mission's own worker the job's SystemExit reaches main as the job's error:
+    # left uncaught, the mission exits with its code, as a script that calls sys.exit does,
+    # not with a traceback of grain's tasks and status 1.
+    script = tmp_path / "m.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        from grain.delayed import delayed, run
+        from grain.resource import Cores
+
+        @delayed
+        async def quits():
+            sys.exit(3)
+
+        async def main():
+            await (quits @ Cores(1))()
+            print("not reached")
+
+        run(main, local=Cores(1))
+    """))
+    cp = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 3 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stdout == ""
+
+
 def test_a_mission_killed_mid_run_has_its_jobs_cancelled_on_the_worker(daemon, tmp_path):
     w = daemon.worker(cores=1)
     marker = tmp_path / "cancelled"
