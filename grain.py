@@ -8229,6 +8229,7 @@ class GrainExecutor(HeadCore):
                         e, ListenError):  # (optional: another head has it; not a bad one)
                     raise e from None
                 log.warning("%s; this mission runs without accepting workers", e)
+                self._workers_fixed = not (self.waddrs or self._link)  # (as if listening nowhere)
         for url in self.waddrs:
             self._nursery.start_soon(self.service.dial_passive, url, self.rpw)
 

@@ -9302,6 +9302,19 @@ def test_head_daemon_bad_input(tmp_path):
         assert f"already listening at {edge} (pid {head.pid}" in second.stderr
         assert second.stderr.strip().splitlines()[-1].startswith(
             f"grain.py head: a head is already listening at {edge}")
+        # A mission that is its own head runs beside it without accepting workers: a job
+        # larger than its own worker then fails at once, as where it listens nowhere.
+        mission = run_py("-c", textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {HERE!r})
+            from grain.delayed import delayed, run
+            from grain.resource import Cores
+            async def big(): pass
+            async def main(): await (delayed(big) @ Cores(8))()
+            run(main, local=Cores(1), address={edge!r}, config_file=False)"""), timeout=30)
+        assert mission.returncode == 1, mission.stderr
+        assert "this mission runs without accepting workers" in mission.stderr
+        assert "and no other worker can join this mission (it listens at no address)\n" \
+            "grain: job #1 big() failed\n" in mission.stderr, mission.stderr
         neg = cli("scale", "-1", "-a", edge)
         assert neg.returncode == 2 and "got -1" in neg.stderr
         no_system = cli("scale", "2", "-a", edge)
