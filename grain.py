@@ -5054,6 +5054,18 @@ def _want_walltime(v):
         raise TypeError("a walltime [d-]hh:mm:ss (\"\": do not ask)") from None
 
 
+def _want_address(v):
+    """An address as parse_url reads it once $VARIABLES are set in ("": the default), so a
+    typo is said before `up` submits a worker that could only fail with it."""
+    if _want_str(v):
+        try:
+            parse_url(os.path.expandvars(v))
+        except ValueError:
+            raise TypeError("tcp://host:port, unix:///path, edge:///abs/path or "
+                            "bridge://LABEL@HOST:PORT") from None
+    return v
+
+
 def _want_str_list(v):
     if isinstance(v, str):
         return (v,)
@@ -5132,7 +5144,7 @@ class RoleSettings:
     """The merged settings of one role (head or worker)."""
     role: str
     system: str = setting("", _want_system, _ALL)
-    address: str = setting("", None, _ALL, path=True)
+    address: str = setting("", _want_address, _ALL, path=True)
     auth_key: str = setting("", None, _ALL, path=True)
     tls_cert: str = setting("", None, _ALL, path=True)  # "": no TLS (see load_auth_key)
     tls_key: str = setting("", None, _ALL, path=True)   # "": in the tls_cert file
@@ -5143,7 +5155,7 @@ class RoleSettings:
     custom_system: CustomSystem = field(default_factory=CustomSystem)
     # [head]
     main_log_file: str = setting("", None, _HEAD, path=True)   # the head job's (`start`)
-    listen: str = setting("", None, _HEAD, path=True)
+    listen: str = setting("", _want_address, _HEAD, path=True)
     cmd: str = setting("", None, _HEAD)
     idle_quit: float = setting(1800.0, None, _HEAD)
     swarm: int = setting(0, None, _HEAD)
@@ -5155,8 +5167,8 @@ class RoleSettings:
                                          "a positive whole number"))  # [head.gnaw] max_conn
     daemon_extra_args: tuple = ()  # [head.gnaw] extra_args: flags of upstream's Go daemon
     # [worker]
-    dial: str = setting("", None, _WORKER, path=True)
-    cli_dial: str = setting("", None, _WORKER, path=True)
+    dial: str = setting("", _want_address, _WORKER, path=True)
+    cli_dial: str = setting("", _want_address, _WORKER, path=True)
     res: dict = setting({}, None, _WORKER)
     specialized_type: str = setting("", None, _WORKER)  # a module: see specialized workers
     wrap: str = setting("", None, _WORKER)  # the worker's command runs inside this container

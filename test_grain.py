@@ -3001,6 +3001,11 @@ def test_config_overrides_and_defaults(tmp_path):
     ("[worker]\nres = { GPU = { N = 1 } }", "x.toml: worker.res: expected resources"),
     ("system = slurm", "x.toml: malformed TOML: Invalid value (at line 1, column 10)"),
     ("script = 3", "x.toml: [script] must be a table"),
+    # (said before `up` submits a worker that could only fail with it)
+    ("address = 'foo://x'", "x.toml: address: expected tcp://host:port, unix:///path, "
+                            "edge:///abs/path or bridge://LABEL@HOST:PORT, got 'foo://x'"),
+    ("[worker]\ndial = 'tcp://head'", "x.toml: worker.dial: expected tcp://host:port"),
+    ("[head]\nlisten = 'edge://rel/path'", "x.toml: head.listen: expected tcp://host:port"),
 ])
 def test_config_errors_name_the_file_and_key(text, message):
     with pytest.raises(grain.ConfigError) as info:
