@@ -6463,10 +6463,15 @@ class ResultStore:
         with contextlib.suppress(OSError):
             os.utime(self.holder)
 
-    def close(self):
+    def close(self, ended=False):
+        """``ended``: by the mission that held it, which leaves no job of its running (its
+        workers were told to stop them, after a Ctrl-C too): their entries go."""
         self.stop_writer()
         if self._db is not None:
             self.flush()
+            if ended and self.held:
+                with self._lock, self._db:
+                    self._db.execute("DELETE FROM results_log WHERE state = 'running'")
             if self.held and self._replaced * 8 > self._rows:
                 self._drop_replaced()  # (a few replaced rows cost less than reading it all)
             self._db.close()
@@ -7205,6 +7210,8 @@ class HeadService:
             log.warning("worker %s from %s %s", w.name, channel.peer, why)
         finally:
             self.owner.worker_gone(w)
+            if self.goodbye == ("leave",):  # told to leave as its mission failed or was
+                w.jobs = {}  # stopped: its jobs went with the mission, not with a lost worker
             if channel.silent:
                 why = f"was lost (silent for {SILENT_S:g} s)"
             if w.leaving:
@@ -8194,7 +8201,7 @@ class GrainExecutor(HeadCore):
             raise GrainError(f"report {self.report}: {problem}")
         if self.stored is not None:  # first: a store another mission holds stops us here
             await trio.to_thread.run_sync(self.stored.store.open)
-            self._stack.callback(self.stored.store.close)
+            self._stack.callback(self.stored.store.close, ended=True)
         # The context modules first: they outlive the nursery where jobs run.
         m = self.mission
         output = self._stack.enter_context(_routed_job_output(m.job_log))
@@ -9036,7 +9043,7 @@ class WorkerProcess:
         handlers = {"fn": self.on_function, "run": self.on_run, "ping": _ignore,
                     "head": functools.partial(setattr, self, "head"),
                     "fin": self.on_fin, "drain": self.on_drain, "cancel": self.on_cancel,
-                    "leave": functools.partial(self.leave, "asked to quit now (-f)")}
+                    "leave": self.on_leave}
         try:
             await channel.dispatch_all(handlers)
         except PeerError as e:
@@ -9153,6 +9160,11 @@ class WorkerProcess:
         if scope is not None:  # else its result is on its way already
             self.cancelled.add(jid)
             scope.cancel()
+
+    def on_leave(self):
+        log.info("the head told it to leave now (`quit -f`, or its mission failed or was "
+                 "stopped); stopping its %d running job(s)", len(self.running))
+        self.leave("told to leave now")
 
     def on_fin(self):
         log.info("the head said goodbye (its mission ended, or it was stopped); leaving "

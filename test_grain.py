@@ -10176,3 +10176,46 @@ def test_a_lock_file_a_killed_process_left_is_taken_over_and_a_live_one_waited_f
     with edit() as data:
         data["n"] += 1
     assert time.monotonic() - started >= 0.3 and json.loads(path.read_text()) == {"n": 2}
+
+
+CTRL_C_WITH_A_WORKER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from grain.delayed import delayed, each, run
+    from grain.resource import Cores, ZERO
+    from grain.subproc import run_program
+
+    @delayed
+    async def sleeps(i):
+        await run_program(["sh", "-c", "touch {tmp}/started-$0; exec sleep 60", str(i)])
+
+    async def main():
+        await each((sleeps @ Cores(1))(i) for i in range(3))
+
+    run(main, local=ZERO, address="edge://{tmp}/edge", config_file=False,
+        results="{tmp}/r.db", progress=False)
+""")
+
+
+def test_ctrl_c_of_a_mission_with_workers_says_no_worker_was_lost(tmp_path, workers):
+    # The mission tells its workers to leave now, as it goes: that is no loss of a worker,
+    # no job is retried, the worker says why it left, and the store keeps no job running.
+    script = tmp_path / "mission.py"
+    script.write_text(CTRL_C_WITH_A_WORKER.format(here=HERE, tmp=tmp_path))
+    with open(tmp_path / "err", "w+") as stderr:
+        p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stderr=stderr)
+        try:
+            w = workers.start("--url", f"edge://{tmp_path}/edge", "--res",
+                              '{"Cores": {"N": 2}}', "--oversubscribe", name="node-1")
+            wait_for(lambda: len(list(tmp_path.glob("started-*"))) == 2, 30, "two programs")
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=30)
+        finally:
+            kill_all([p])
+    err = (tmp_path / "err").read_text()
+    assert p.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert "lost" not in err and "retrying" not in err and "re-queueing" not in err, err
+    assert w.wait(15) == 0
+    assert "the head told it to leave now" in w.log_path.read_text()
+    with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as db:
+        assert [s for (s,) in db.execute("SELECT state FROM results_log")] == []
