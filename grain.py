@@ -5826,15 +5826,18 @@ class JobBook:
     def mark_joined(self, job_id):
         self.update(lambda rs: [dict(r, joined=True) if r["id"] == job_id else r for r in rs])
 
-    def waiting(self, system, custom, joined=()):
+    def waiting(self, system, custom, joined=(), headless=False):
         """Worker jobs whose worker has not joined (yet), but those of ``joined``, each with
-        its ``state``, asked of ``system`` (else the one the first was submitted to)."""
+        its ``state``, asked of ``system`` (else the one the first was submitted to).
+        ``headless``: no head answers, so those that joined one and have not ended too (their
+        worker waits for a new head, its allocation in use)."""
         records = [r for r in self.records() if r.get("role") == "worker"
-                   and not r.get("joined") and r["id"] not in joined]
+                   and (headless or not r.get("joined")) and r["id"] not in joined]
         if not system and records:
             system = records[0].get("system")
         states = batch_states(system, [r["id"] for r in records], custom)
-        return [dict(r, state=states[r["id"]]) for r in records]
+        return [dict(r, state=states[r["id"]]) for r in records
+                if not (r.get("joined") and states[r["id"]] == ENDED)]
 
 
 def _job_book(worker):
@@ -10097,17 +10100,22 @@ def _cli_target(args):
     return _CliTarget(s, address, load_auth_key(key_path, s.tls_cert, s.tls_key), origin)
 
 
-def submitted_jobs(book, s, joined):
+def submitted_jobs(book, s, joined, headless=False):
     """The batch jobs grain submitted whose worker has not joined (yet), each a dict of
-    id, name, log and state (asked of the batch system)."""
-    return [{k: r[k] for k in ("id", "name", "log", "state")}
-            for r in book.waiting(s.system, s.custom_system, joined)]
+    id, name, log, state (asked of the batch system) and joined (see JobBook.waiting)."""
+    return [{**{k: r[k] for k in ("id", "name", "log", "state")}, "joined": bool(r.get("joined"))}
+            for r in book.waiting(s.system, s.custom_system, joined, headless)]
 
 
 def format_jobs(records):
-    """Lines about submitted batch jobs whose worker has not joined (submitted_jobs)."""
-    lines = ["", "submitted, not joined:"] if records else []
-    for r in records:
+    """Lines about submitted batch jobs whose worker has not joined (submitted_jobs), or
+    joined a head that is gone."""
+    lines = []
+    for r in sorted(records, key=lambda r: r["joined"]):  # (stable: in submission order)
+        heading = ("joined a head that no longer answers, still queued or running (`down` "
+                   "ends them):") if r["joined"] else "submitted, not joined:"
+        if heading not in lines:
+            lines += ["", heading]
         said = {UNKNOWN: "state unknown (the batch system did not answer)",
                 ENDED: f"ENDED WITHOUT ITS WORKER EVER JOINING; the end of its log {r['log']}:"}
         lines.append(f"  job {r['id']} ({r['name']}): {said.get(r['state'], r['state'])}")
@@ -10159,7 +10167,7 @@ def _ls_frame(target, as_json):
     stats = key and trio_run(cli_request, address, key, "stats")
     trouble = None if stats else str(target.nobody())
     joined = set(stats["joined_job_ids"]) if stats else set()
-    submitted = submitted_jobs(JobBook(address), s, joined)
+    submitted = submitted_jobs(JobBook(address), s, joined, headless=not stats)
     if as_json:
         return json.dumps(dict(stats or {}, head=stats is not None, address=address,
                                submitted=submitted), indent=1, default=str), trouble

@@ -10219,3 +10219,32 @@ def test_ctrl_c_of_a_mission_with_workers_says_no_worker_was_lost(tmp_path, work
     assert "the head told it to leave now" in w.log_path.read_text()
     with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as db:
         assert [s for (s,) in db.execute("SELECT state FROM results_log")] == []
+
+
+@needs_slurm
+def test_ls_with_no_head_names_the_worker_jobs_that_still_hold_an_allocation(tmp_path):
+    # A mission that was its own head is killed: its worker waits for a new head (its
+    # reattach) in a batch job that still runs. `ls` says no head answers, and names that
+    # job, which `down` ends; before, it listed only jobs whose worker never joined.
+    cfg = slurm_config(tmp_path, cores=1)
+    cfg.write_text(cfg.read_text() + "[head.gnaw]\nenabled = false\n")
+    marker = tmp_path / "started"
+    head = start_mission(tmp_path, cfg, text=SLURM_MISSION.replace(
+        "await trio.sleep(2)", f"open({str(marker)!r}, 'w').close(); await trio.sleep(60)"))
+    try:
+        up = grain_cli("up", "-c", str(cfg), cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        job, = re.findall(r"submitted worker job (\d+) ", up.stdout)
+        wait_for(marker.exists, 120, "a job on the worker")
+    finally:
+        head.kill()
+        head.communicate()
+    try:
+        ls = grain_cli("ls", "-c", str(cfg), cwd=tmp_path)
+        assert ls.returncode == 1 and "no head is listening" in ls.stderr, ls.stderr
+        assert re.search(rf"^joined a head that no longer answers, still queued or running "
+                         rf"\(`down` ends them\):\n  job {job} \(grain-worker\): RUNNING$",
+                         ls.stdout, re.M), ls.stdout
+    finally:
+        assert grain_cli("down", "-c", str(cfg), cwd=tmp_path).returncode == 0
+        wait_for(lambda: job not in squeue_ids(), 60, "the worker job to end")
