@@ -8436,25 +8436,12 @@ class _SetupFailed(Exception):
     GrainError, is what run() raises)."""
 
 
-async def _stop_on_sigterm():
-    """A batch system ends a head job (scancel, its walltime) by SIGTERM: the mission
-    stops as on a Ctrl-C (its workers told to leave, its programs stopped, its store
-    closed), not killed with its workers left waiting for a head that will not come."""
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            log.warning("got SIGTERM: the mission stops, as on a Ctrl-C")
-            raise KeyboardInterrupt
-
-
 async def _run_mission(mains, single, executor_args, executor_kwargs):
     async with contextlib.AsyncExitStack() as stack:
         try:
-            exer = await stack.enter_async_context(
-                GrainExecutor(*executor_args, **executor_kwargs))
+            await stack.enter_async_context(GrainExecutor(*executor_args, **executor_kwargs))
         except GrainError as e:
             raise _SetupFailed(e) from None
-        if threading.current_thread() is threading.main_thread():  # (signals come there)
-            exer._nursery.start_soon(_stop_on_sigterm)
         if single:
             return await mains[0]()
         results = [None] * len(mains)

@@ -10248,34 +10248,3 @@ def test_ls_with_no_head_names_the_worker_jobs_that_still_hold_an_allocation(tmp
     finally:
         assert grain_cli("down", "-c", str(cfg), cwd=tmp_path).returncode == 0
         wait_for(lambda: job not in squeue_ids(), 60, "the worker job to end")
-
-
-def test_sigterm_stops_a_mission_as_a_ctrl_c_does(tmp_path):
-    # A batch system ends a head job by SIGTERM (scancel, its walltime): the mission says
-    # so and stops as on a Ctrl-C, its program stopped; before, it died at once, its
-    # programs running on and its workers left waiting for a head.
-    pidfile = tmp_path / "pid"
-    script = tmp_path / "mission.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {HERE!r})
-        from grain.delayed import delayed, run
-        from grain.resource import Cores
-        from grain.subproc import run_program
-        async def sleeps():
-            await run_program(["sh", "-c", "echo $$ > {pidfile}; exec sleep 60"])
-        async def main():
-            await (delayed(sleeps) @ Cores(1))()
-        run(main, local=Cores(1), config_file=False)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 20, "the program")
-        program = int(pidfile.read_text())
-        proc.send_signal(signal.SIGTERM)
-        err = proc.communicate(timeout=20)[1]
-    finally:
-        kill_all([proc])
-    assert "got SIGTERM: the mission stops, as on a Ctrl-C" in err
-    assert proc.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
-    assert not pid_running(program)
