@@ -9135,8 +9135,8 @@ EXITING_JOB = textwrap.dedent("""
 
 def test_a_job_that_calls_sys_exit_fails_itself_not_its_worker(daemon):
     # A job's sys.exit() reaches its caller as the job's SystemExit, run once (no class
-    # retries it), and the worker that ran it serves the next job: before, the worker
-    # process exited, its job was retried as lost and ended the next worker too.
+    # retries it), and the worker that ran it serves the next job: a worker process that
+    # exited with it would have its job retried as lost, to end the next worker too.
     worker = daemon.worker(name="node-7")
     daemon.script.write_text(EXITING_JOB.format(here=HERE, config=str(daemon.config)))
     mission = daemon.mission()
@@ -10225,7 +10225,7 @@ def test_ctrl_c_of_a_mission_with_workers_says_no_worker_was_lost(tmp_path, work
 def test_ls_with_no_head_names_the_worker_jobs_that_still_hold_an_allocation(tmp_path):
     # A mission that was its own head is killed: its worker waits for a new head (its
     # reattach) in a batch job that still runs. `ls` says no head answers, and names that
-    # job, which `down` ends; before, it listed only jobs whose worker never joined.
+    # job, which `down` ends, beside the jobs whose worker never joined.
     cfg = slurm_config(tmp_path, cores=1)
     cfg.write_text(cfg.read_text() + "[head.gnaw]\nenabled = false\n")
     marker = tmp_path / "started"
